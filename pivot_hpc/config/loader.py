@@ -1,0 +1,250 @@
+"""Typed config loading: YAML (yaml.safe_load) → nested dataclasses, dotted CLI overrides.
+
+Every component owns one dataclass. This module turns plain data into those dataclasses
+and rejects anything it cannot place: unknown keys (with the list of valid ones), wrong
+types, values outside a Literal's choices. Errors always name the dotted key path.
+Cross-field rules live in each dataclass's `validate(path)` method, called once, top
+down, by `validate_config` before any MPI work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type, or inconsistent."""
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Convert plain YAML data `value` to type `tp`, or raise ConfigError naming `path`."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(
+                f"config key '{path}': {value!r} is not a valid choice; "
+                f"valid choices: {', '.join(repr(c) for c in choices)}"
+            )
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"config key '{path}': {value!r} does not match {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return from_dict(tp, value, path)
+    if origin in (list, tuple, Iterable) or tp in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"config key '{path}': expected a list, got {value!r}")
+        args = get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_convert(v, item_tp, _join(path, i)) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple or tp is tuple else items
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{path}': expected a mapping, got {value!r}")
+        args = get_args(tp)
+        key_tp, val_tp = args if args else (Any, Any)
+        return {
+            _convert(k, key_tp, path): _convert(v, val_tp, _join(path, str(k)))
+            for k, v in value.items()
+        }
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{path}': expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{path}': expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"config key '{path}': expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{path}': expected a string, got {value!r}")
+        return value
+    if tp is Path:
+        if not isinstance(value, str | Path):
+            raise ConfigError(f"config key '{path}': expected a path, got {value!r}")
+        return Path(value)
+    raise ConfigError(f"config key '{path}': unsupported field type {_type_name(tp)}")
+
+
+def _field_table(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys with the valid list."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        where = f"config key '{path}'" if path else "config"
+        raise ConfigError(f"{where}: expected a mapping of keys for {cls.__name__}, got {data!r}")
+    table = _field_table(cls)
+    unknown = sorted(set(data) - set(table))
+    if unknown:
+        where = f"section '{path}'" if path else "the top level"
+        valid = ", ".join(sorted(table))
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(repr(_join(path, k)) for k in unknown)} in "
+            f"{where}; valid keys: {valid}"
+        )
+    kwargs = {}
+    for name, (field, tp) in table.items():
+        if name in data:
+            kwargs[name] = _convert(data[name], tp, _join(path, name))
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"config key '{_join(path, name)}' is required but missing")
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-data view of a config (for telemetry metadata and checkpoints)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.lr=1e-6` → (['trainer', 'lr'], 1e-6). The value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(
+            f"override {text!r} is not of the form dotted.key=value (e.g. planner.horizon_s=120)"
+        )
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r}: empty key segment in {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: Iterable[str], root: type | None = None) -> dict:
+    """Apply dotted overrides to plain config data (before it becomes dataclasses).
+
+    With `root` given, every path segment is checked against the dataclass fields so a
+    typo fails with the valid keys at that level, not as a confusing later error.
+    """
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        cls = root
+        for depth, key in enumerate(parts):
+            here = ".".join(parts[: depth + 1])
+            if cls is not None and dataclasses.is_dataclass(cls):
+                table = _field_table(cls)
+                if key not in table:
+                    raise ConfigError(
+                        f"override {text!r}: unknown key '{here}'; valid keys at this level: "
+                        f"{', '.join(sorted(table))}"
+                    )
+                tp = table[key][1]
+                args = [a for a in get_args(tp) if a is not type(None)]
+                cls = (
+                    tp
+                    if dataclasses.is_dataclass(tp)
+                    else (args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None)
+                )
+            else:
+                cls = None
+            if depth == len(parts) - 1:
+                node[key] = value
+            else:
+                child = node.get(key)
+                if child is None:
+                    child = node[key] = {}
+                if not isinstance(child, dict):
+                    raise ConfigError(f"override {text!r}: '{here}' is a value, not a section")
+                node = child
+    return data
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: the top level must be a mapping")
+    return data
+
+
+def validate_tree(obj: Any, path: str = "") -> None:
+    """Call `validate(path)` on every dataclass in the tree, parents first."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        check(path)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            validate_tree(value, _join(path, f.name))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                validate_tree(v, _join(path, str(k)))
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                validate_tree(v, _join(path, i))
+
+
+def fail(path: str, value: Any, why: str) -> typing.NoReturn:
+    """Raise the standard error: key path, offending value, and what to do instead."""
+    raise ConfigError(f"config key '{path}' = {value!r}: {why}")

@@ -1,0 +1,180 @@
+"""The run configuration: one dataclass per component, composed into `Config`.
+
+Field docs are the user documentation of each key; README.md shows a full example.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pivot_hpc.config.loader import ConfigError, fail
+
+STRATEGIES = ("pivot", "static", "rule", "vanilla")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """The GPUs of one allocation (on CPU: worker device slots)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 4
+
+    def validate(self, path: str) -> None:
+        if self.nodes < 1:
+            fail(f"{path}.nodes", self.nodes, "need at least 1 node")
+        if self.gpus_per_node < 1:
+            fail(f"{path}.gpus_per_node", self.gpus_per_node, "need at least 1 GPU per node")
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(kw_only=True)
+class ThroughputConfig:
+    """Constants of T = N_seq / (A·N_tok + max(B, C·N_seq) + D), seconds per decode step."""
+
+    A: float = 1.0e-8  # seconds per KV-cache token read each step (attention)
+    B: float = 5.0e-3  # seconds to stream the weights once (memory-bound FFN floor)
+    C: float = 1.0e-4  # seconds per running sequence (compute-bound FFN)
+    D: float = 1.0e-3  # fixed per-step overhead
+
+    def validate(self, path: str) -> None:
+        for name in ("A", "B", "C", "D"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                fail(f"{path}.{name}", v, "throughput constants must be finite and >= 0")
+        if self.B + self.D <= 0:
+            fail(f"{path}.B", self.B, "B + D must be > 0 (a decode step cannot take zero time)")
+
+
+@dataclass(kw_only=True)
+class InferenceRoleConfig:
+    """Rollout or reward: replicas of `tp` GPUs on one node serving one model."""
+
+    tp: int = 1
+    kv_capacity_tokens: int = 65536  # KV-cache capacity of one replica, in tokens
+    gpus: list[int] | None = None  # GPUs this role may use; None = every GPU
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+
+    def validate(self, path: str) -> None:
+        if self.tp < 1:
+            fail(f"{path}.tp", self.tp, "tensor parallel size must be >= 1")
+        if self.kv_capacity_tokens < 1:
+            fail(
+                f"{path}.kv_capacity_tokens", self.kv_capacity_tokens, "capacity must be >= 1 token"
+            )
+
+
+@dataclass(kw_only=True)
+class TrainingRoleConfig:
+    """Training shifts as one unit: a fixed GPU set, whose process group is made once."""
+
+    gpus: list[int] | None = None  # explicit GPU ids; None = the last `num_gpus` GPUs
+    num_gpus: int = 1
+
+    def validate(self, path: str) -> None:
+        if self.gpus is None and self.num_gpus < 1:
+            fail(f"{path}.num_gpus", self.num_gpus, "training needs at least 1 GPU")
+        if self.gpus is not None and len(set(self.gpus)) != len(self.gpus):
+            fail(f"{path}.gpus", self.gpus, "GPU ids must be distinct")
+
+
+@dataclass(kw_only=True)
+class ShiftTimes:
+    """τ_shift per role that shifts down (seconds), used in the penalty φ = Σ τ_shift·T_i."""
+
+    rollout: float = 2.0
+    reward: float = 2.0
+    training: float = 5.0
+
+    def validate(self, path: str) -> None:
+        for name in ("rollout", "reward", "training"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                fail(f"{path}.{name}", v, "shift time must be finite and >= 0 seconds")
+
+
+@dataclass(kw_only=True)
+class PlannerConfig:
+    """When and how to shift GPUs between roles (paper §7, §8.4)."""
+
+    strategy: Literal["pivot", "static", "rule", "vanilla"] = "pivot"
+    horizon_s: float = 60.0  # H: how long a shift's throughput gain is expected to last
+    interval_s: float = 1.0  # how often the planner looks at a fresh snapshot
+    shift_time_s: ShiftTimes = field(default_factory=ShiftTimes)
+    rule_high_util: float = 0.8  # `rule`: shift up a role above this KV utilisation
+    rule_low_util: float = 0.1  # `rule`: shift down a role below this KV utilisation
+    # Simulate every candidate while there are at most this many (the paper's procedure);
+    # past it, a coarse-to-fine search over the shift-up count k (≈ 2·log K simulations).
+    max_exact_candidates: int = 64
+
+    def validate(self, path: str) -> None:
+        if not math.isfinite(self.horizon_s) or self.horizon_s < 0:
+            fail(f"{path}.horizon_s", self.horizon_s, "H must be a finite number of seconds >= 0")
+        if self.max_exact_candidates < 1:
+            fail(f"{path}.max_exact_candidates", self.max_exact_candidates, "must be >= 1")
+        if self.interval_s <= 0:
+            fail(f"{path}.interval_s", self.interval_s, "the planning interval must be > 0 s")
+        if not 0 <= self.rule_low_util < self.rule_high_util <= 1:
+            fail(
+                f"{path}.rule_low_util",
+                (self.rule_low_util, self.rule_high_util),
+                "need 0 <= rule_low_util < rule_high_util <= 1",
+            )
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Shift-aware scheduler (paper §6)."""
+
+    priority: Literal["seq_id", "longest_first", "shortest_first"] = "seq_id"
+    migration: bool = True  # shift-up migration (Alg. 4); off = the `vanilla` ablation
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole run. Sections appear as top-level YAML keys."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: InferenceRoleConfig = field(default_factory=InferenceRoleConfig)
+    reward: InferenceRoleConfig = field(default_factory=InferenceRoleConfig)
+    training: TrainingRoleConfig = field(default_factory=TrainingRoleConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+    def validate(self, path: str) -> None:
+        n = self.cluster.total_gpus
+        per_node = self.cluster.gpus_per_node
+        for role in ("rollout", "reward"):
+            rc: InferenceRoleConfig = getattr(self, role)
+            if rc.tp > per_node or per_node % rc.tp:
+                fail(
+                    f"{role}.tp",
+                    rc.tp,
+                    f"a replica must fit on one node: tp must divide cluster.gpus_per_node={per_node}",
+                )
+            if rc.gpus is not None:
+                _check_gpu_ids(f"{role}.gpus", rc.gpus, n)
+        tr = self.training
+        if tr.gpus is not None:
+            _check_gpu_ids("training.gpus", tr.gpus, n)
+        elif tr.num_gpus > n:
+            fail("training.num_gpus", tr.num_gpus, f"the cluster has only {n} GPUs")
+
+    def training_gpus(self) -> list[int]:
+        if self.training.gpus is not None:
+            return sorted(self.training.gpus)
+        n = self.cluster.total_gpus
+        return list(range(n - self.training.num_gpus, n))
+
+
+def _check_gpu_ids(path: str, gpus: list[int], total: int) -> None:
+    bad = [g for g in gpus if not 0 <= g < total]
+    if bad:
+        raise ConfigError(
+            f"config key '{path}' = {gpus!r}: GPU ids {bad} are outside the cluster "
+            f"(valid ids 0..{total - 1}; see cluster.nodes and cluster.gpus_per_node)"
+        )

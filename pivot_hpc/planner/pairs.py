@@ -1,0 +1,77 @@
+"""Step 2 of the planner (§7.1, App. D.1): shift pairs for the chosen shift-up role.
+
+An inactive slot of the shift-up role can be brought up once every replica on its GPUs
+shifts down (free GPUs cost nothing; idle training counts as one replica with no token
+throughput; busy training cannot shift). Slots and the replicas in their way form a
+bipartite graph; each connected component is one shift pair: its eligible slots
+(ordered by slot index) share one shift-down set whose penalty φ = Σ τ_shift·T_i is paid
+once. Components are disjoint, so penalties add (App. D.1).
+
+With a 4-GPU reward slot and 1-GPU rollout replicas this yields "four rollout replicas →
+one reward replica" pairs, and an idle 8-GPU training set yields one pair of two reward
+slots at φ = 0 — the pairs of Figure 8.
+"""
+
+from __future__ import annotations
+
+from pivot_hpc.planner.candidates import ShiftPair
+from pivot_hpc.planner.snapshot import TRAINING, Snapshot, replica_id, role_of
+
+
+def replica_throughput(snap: Snapshot, rid: str) -> float:
+    if rid == TRAINING:
+        return 0.0
+    return snap.schedulers[role_of(rid)].replica(rid).T
+
+
+def penalty(snap: Snapshot, down: list[str]) -> float:
+    """φ = Σ τ_shift(role)·T_i over the replicas that shift down."""
+    topo = snap.topology
+    return sum(topo.tau(role_of(rid)) * replica_throughput(snap, rid) for rid in down)
+
+
+def shift_pairs(snap: Snapshot, up_role: str, occupancy: dict[int, str]) -> list[ShiftPair]:
+    """Disjoint shift pairs for `up_role`, sorted by ascending penalty (ties: slot order)."""
+    spec = snap.topology.roles[up_role]
+    active = snap.schedulers[up_role].replicas
+    busy_training = snap.training.busy
+
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        root = x
+        while parent[root] != root:
+            root = parent[root]
+        while parent[x] != root:
+            parent[x], x = root, parent[x]
+        return root
+
+    eligible: list[tuple[int, str]] = []
+    for slot in sorted(spec.slots):
+        rid = replica_id(up_role, slot)
+        if rid in active:
+            continue
+        occupants = {occupancy[g] for g in spec.slots[slot] if g in occupancy}
+        if busy_training and TRAINING in occupants:
+            continue
+        eligible.append((slot, rid))
+        parent.setdefault(rid, rid)
+        for occ in occupants:
+            parent.setdefault(occ, occ)
+            ra, rb = find(rid), find(occ)
+            if ra != rb:
+                parent[rb] = ra
+
+    groups: dict[str, tuple[list[str], set[str]]] = {}
+    for _slot, rid in eligible:
+        groups.setdefault(find(rid), ([], set()))[0].append(rid)
+    for node in parent:
+        if role_of(node) != up_role:  # an occupant, not a slot
+            groups[find(node)][1].add(node)
+
+    pairs = []
+    for ups, downs in groups.values():
+        down = sorted(downs)
+        pairs.append((penalty(snap, down), ups, down))
+    pairs.sort(key=lambda p: (p[0], p[1][0]))
+    return [ShiftPair(up=ups, down=down, penalty=phi) for phi, ups, down in pairs]

@@ -1,0 +1,538 @@
+"""The shift-aware scheduler of one inference role (paper §6, App. C, Alg. 2–4).
+
+A shared waiting queue feeds replicas through Dispatch: each sequence goes to the replica
+with enough KV capacity whose throughput gain ΔT is largest (§6.1; ties: the replica
+added first). Abort returns sequences to the queue with their tokens (their length
+includes what they generated). Shift down = Abort(all) on the leaving replicas, then
+Dispatch (Alg. 3). Shift up = Dispatch the queue to the new replicas, then, if the queue
+drained, migrate the shortest sequence of the highest-throughput replica while the
+aggregate throughput improves (Alg. 4); the one move that does not improve it is undone.
+
+The queue is strict priority order (default: ascending sequence id): Dispatch stops at
+the first sequence no replica can hold, so a long resumed sequence is never starved by
+short new ones.
+
+State lives in flat arrays (replica position p, sequence position q) so the planner can
+copy it cheaply and the compiled loops in `kernels.py` can run over it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pivot_hpc.scheduler import kernels
+from pivot_hpc.scheduler.throughput import ReplicaModel
+
+PriorityFn = Callable[["SeqState"], tuple]
+
+PRIORITIES: dict[str, PriorityFn] = {
+    "seq_id": lambda s: (s.seq_id,),
+    "longest_first": lambda s: (-s.length, s.seq_id),
+    "shortest_first": lambda s: (s.length, s.seq_id),
+}
+
+QUEUED = -1
+GONE = -2
+
+
+@dataclass(slots=True)
+class SeqState:
+    """A sequence as the scheduler sees it.
+
+    `length` is the KV context the sequence needs: prompt plus tokens generated so far,
+    so an aborted sequence keeps its progress and needs that much capacity elsewhere.
+    `payload` is opaque to the scheduler (token ids, sampling params, policy version).
+    """
+
+    seq_id: int
+    length: int
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """Read-only state of one active replica."""
+
+    rid: str
+    idx: int  # insertion order: the tie-breaker
+    n_seq: int
+    n_tok: int
+    capacity: int
+    T: float
+    model: ReplicaModel
+
+
+@dataclass(slots=True)
+class MigrationResult:
+    """What a shift did: sequences aborted from, and dispatched to, which replicas."""
+
+    aborted: list[tuple[int, str]] = field(default_factory=list)  # (seq_id, from replica)
+    dispatched: list[tuple[int, str]] = field(default_factory=list)  # (seq_id, to replica)
+    migrations: int = 0  # shift-up moves kept by Alg. 4's loop
+    throughput_before: float = 0.0
+    throughput_after: float = 0.0
+    abort_s: float = 0.0
+    dispatch_s: float = 0.0
+    migrate_s: float = 0.0
+
+
+class SchedulerError(ValueError):
+    """Inconsistent use of the scheduler (unknown replica, duplicate sequence, …)."""
+
+
+def _grow(arr: np.ndarray, size: int, fill: float | int = 0) -> np.ndarray:
+    if size <= arr.shape[0]:
+        return arr
+    new = np.full(max(size, 2 * arr.shape[0], 16), fill, dtype=arr.dtype)
+    new[: arr.shape[0]] = arr
+    return new
+
+
+class Scheduler:
+    """Shared waiting queue + replica states for one role (rollout or reward)."""
+
+    _REPLICA_ARRAYS = ("active", "n", "tok", "cap", "kind", "A", "B", "C", "D", "T")
+    _SEQ_ARRAYS = ("seq_len", "seq_rep", "seq_id")
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        priority: str | PriorityFn = "seq_id",
+        migration: bool = True,
+    ) -> None:
+        self.role = role
+        if isinstance(priority, str):
+            if priority not in PRIORITIES:
+                raise SchedulerError(
+                    f"scheduler priority {priority!r} is unknown; valid: {', '.join(PRIORITIES)}"
+                )
+            priority = PRIORITIES[priority]
+        self.priority_fn: PriorityFn = priority
+        self.migration = migration
+        # replicas, by position p (never reused: p is also the tie-breaking order)
+        self.replicas: dict[str, int] = {}  # active replica id -> p
+        self._rid_of: list[str] = []
+        self._model_of: list[ReplicaModel] = []
+        self.active = np.zeros(0, np.uint8)
+        self.n = np.zeros(0, np.int64)
+        self.tok = np.zeros(0, np.int64)
+        self.cap = np.zeros(0, np.int64)
+        self.kind = np.zeros(0, np.int64)
+        self.A = np.zeros(0)
+        self.B = np.zeros(0)
+        self.C = np.zeros(0)
+        self.D = np.zeros(0)
+        self.T = np.zeros(0)
+        # sequences, by position q
+        self.seq_len = np.zeros(0, np.int64)
+        self.seq_rep = np.zeros(0, np.int64)
+        self.seq_id = np.zeros(0, np.int64)
+        self._seqs: list[SeqState | None] = []
+        self._q_of: dict[int, int] = {}
+        self._queue: list[tuple[tuple, int]] = []  # sorted (priority key, q)
+        self._order: np.ndarray | None = None  # cached q's of the queue, in order
+        self._n_running = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def n_running(self) -> int:
+        return self._n_running
+
+    @property
+    def n_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def n_seq(self) -> int:
+        """N_seq of the role for Eq. 1: running plus waiting sequences."""
+        return self._n_running + len(self._queue)
+
+    def throughput(self) -> float:
+        """Aggregate estimated throughput of the role (sum of replica T_i)."""
+        m = len(self._rid_of)
+        return float(self.T[:m][self.active[:m] != 0].sum())
+
+    def kv_utilization(self) -> float:
+        m = len(self._rid_of)
+        act = self.active[:m] != 0
+        cap = int(self.cap[:m][act].sum())
+        return int(self.tok[:m][act].sum()) / cap if cap else 0.0
+
+    def replica(self, rid: str) -> ReplicaView:
+        p = self._pos(rid)
+        return ReplicaView(
+            rid,
+            p,
+            int(self.n[p]),
+            int(self.tok[p]),
+            int(self.cap[p]),
+            float(self.T[p]),
+            self._model_of[p],
+        )
+
+    def replica_views(self) -> list[ReplicaView]:
+        return [self.replica(rid) for rid in self.replicas]
+
+    def queued(self) -> list[SeqState]:
+        """Waiting sequences in dispatch order."""
+        return [self._seqs[q] for _, q in self._queue]
+
+    def running_on(self, rid: str) -> list[SeqState]:
+        p = self._pos(rid)
+        qs = np.flatnonzero(self.seq_rep[: len(self._seqs)] == p)
+        return [self._seqs[int(q)] for q in qs]
+
+    def location(self, seq_id: int) -> str | None:
+        """The replica running `seq_id`; None if it waits in the queue or is unknown."""
+        q = self._q_of.get(seq_id)
+        if q is None or self.seq_rep[q] < 0:
+            return None
+        return self._rid_of[int(self.seq_rep[q])]
+
+    def sequence(self, seq_id: int) -> SeqState:
+        q = self._q_of.get(seq_id)
+        if q is None:
+            raise SchedulerError(f"{self.role}: sequence {seq_id} is not known to the scheduler")
+        return self._seqs[q]
+
+    def _pos(self, rid: str) -> int:
+        try:
+            return self.replicas[rid]
+        except KeyError:
+            raise SchedulerError(
+                f"{self.role}: replica {rid!r} is not active; active: {sorted(self.replicas)}"
+            ) from None
+
+    def _refresh(self, p: int) -> None:
+        self.T[p] = kernels.throughput(
+            int(self.kind[p]),
+            float(self.A[p]),
+            float(self.B[p]),
+            float(self.C[p]),
+            float(self.D[p]),
+            int(self.n[p]),
+            int(self.tok[p]),
+        )
+
+    # ------------------------------------------------------------ replicas
+    def add_replica(self, rid: str, capacity: int, model: ReplicaModel) -> None:
+        """Register an active, empty replica (no dispatch; see `shift_up`)."""
+        if rid in self.replicas:
+            raise SchedulerError(f"{self.role}: replica {rid!r} is already active")
+        if capacity < 0:
+            raise SchedulerError(f"{self.role}: replica {rid!r} KV capacity {capacity} < 0")
+        kind, a, b, c, d = model.kernel_params()
+        p = len(self._rid_of)
+        if p >= self.active.shape[0]:
+            for name in self._REPLICA_ARRAYS:
+                setattr(self, name, _grow(getattr(self, name), p + 1))
+        self._rid_of.append(rid)
+        self._model_of.append(model)
+        self.active[p], self.n[p], self.tok[p], self.cap[p] = 1, 0, 0, capacity
+        self.kind[p], self.A[p], self.B[p], self.C[p], self.D[p] = kind, a, b, c, d
+        self.T[p] = 0.0
+        self.replicas[rid] = p
+
+    def remove_replica(self, rid: str) -> None:
+        p = self._pos(rid)
+        if self.n[p]:
+            raise SchedulerError(
+                f"{self.role}: replica {rid!r} still runs {self.n[p]} sequences; abort them first"
+            )
+        self.active[p] = 0
+        del self.replicas[rid]
+
+    # ----------------------------------------------------------- sequences
+    def submit(self, seq: SeqState) -> None:
+        """Put a new (or resumed) sequence in the waiting queue."""
+        if seq.seq_id in self._q_of:
+            raise SchedulerError(f"{self.role}: sequence {seq.seq_id} is already scheduled")
+        if seq.length < 0:
+            raise SchedulerError(f"{self.role}: sequence {seq.seq_id} has negative length")
+        q = len(self._seqs)
+        for name in self._SEQ_ARRAYS:
+            setattr(self, name, _grow(getattr(self, name), q + 1, GONE))
+        self._seqs.append(seq)
+        self._q_of[seq.seq_id] = q
+        self.seq_len[q], self.seq_id[q] = seq.length, seq.seq_id
+        self._enqueue(q)
+
+    def _enqueue(self, q: int) -> None:
+        self.seq_rep[q] = QUEUED
+        bisect.insort(self._queue, (self.priority_fn(self._seqs[q]), q))
+        self._order = None
+
+    def _dequeue(self, q: int) -> None:
+        key = (self.priority_fn(self._seqs[q]), q)
+        i = bisect.bisect_left(self._queue, key)
+        if i == len(self._queue) or self._queue[i] != key:  # key changed under us: search
+            i = next(j for j, (_, qq) in enumerate(self._queue) if qq == q)
+        del self._queue[i]
+        self._order = None
+
+    def _queue_order(self) -> np.ndarray:
+        if self._order is None:
+            self._order = np.fromiter((q for _, q in self._queue), np.int64, len(self._queue))
+        return self._order
+
+    def grow(self, seq_id: int, length: int) -> None:
+        """A running or queued sequence now holds `length` tokens of context."""
+        q = self._q_of.get(seq_id)
+        if q is None:
+            raise SchedulerError(f"{self.role}: sequence {seq_id} is not scheduled")
+        p = int(self.seq_rep[q])
+        if p == QUEUED:
+            self._dequeue(q)
+        elif p >= 0:
+            self.tok[p] += length - int(self.seq_len[q])
+            self._refresh(p)
+        self.seq_len[q] = length
+        self._seqs[q].length = length
+        if p == QUEUED:
+            self._enqueue(q)
+
+    def _release(self, q: int) -> SeqState:
+        seq = self._seqs[q]
+        self.seq_rep[q] = GONE
+        self._seqs[q] = None
+        del self._q_of[seq.seq_id]
+        if len(self._seqs) > 4096 and len(self._q_of) * 4 < len(self._seqs):
+            self._compact()
+        return seq
+
+    def finish(self, seq_id: int) -> SeqState:
+        """A running sequence completed; it leaves the scheduler."""
+        q = self._q_of.get(seq_id)
+        if q is None or self.seq_rep[q] < 0:
+            raise SchedulerError(f"{self.role}: sequence {seq_id} is not running")
+        p = int(self.seq_rep[q])
+        self.n[p] -= 1
+        self.tok[p] -= int(self.seq_len[q])
+        self._refresh(p)
+        self._n_running -= 1
+        return self._release(q)
+
+    def cancel(self, seq_id: int) -> SeqState:
+        """Drop a waiting sequence from the queue."""
+        q = self._q_of.get(seq_id)
+        if q is None or self.seq_rep[q] != QUEUED:
+            raise SchedulerError(f"{self.role}: sequence {seq_id} is not waiting")
+        self._dequeue(q)
+        return self._release(q)
+
+    def _compact(self) -> None:
+        """Drop positions of finished sequences (keeps arrays proportional to live work)."""
+        live = [q for q in range(len(self._seqs)) if self._seqs[q] is not None]
+        remap = {q: i for i, q in enumerate(live)}
+        idx = np.asarray(live, np.int64)
+        for name in self._SEQ_ARRAYS:
+            setattr(self, name, getattr(self, name)[idx].copy())
+        self._seqs = [self._seqs[q] for q in live]
+        self._q_of = {s.seq_id: i for i, s in enumerate(self._seqs)}
+        self._queue = [(k, remap[q]) for k, q in self._queue]
+        self._order = None
+
+    # ----------------------------------------------- Alg. 2: Abort, Dispatch
+    def abort(self, rid: str, which: str = "all") -> list[int]:
+        """Stop sequences on `rid` (all, or the shortest) and return them to the queue."""
+        if which not in ("all", "shortest"):
+            raise SchedulerError(f"abort: which={which!r}; valid: 'all', 'shortest'")
+        return self._abort([self._pos(rid)], which)
+
+    def _abort(self, ps: list[int], which: str) -> list[int]:
+        rep = self.seq_rep[: len(self._seqs)]
+        qs = np.flatnonzero(np.isin(rep, ps)) if len(ps) > 1 else np.flatnonzero(rep == ps[0])
+        if which == "shortest" and len(qs):
+            qs = qs[np.lexsort((self.seq_id[qs], self.seq_len[qs]))[:1]]
+        if not len(qs):
+            return []
+        np.subtract.at(self.n, rep[qs], 1)
+        np.subtract.at(self.tok, rep[qs], self.seq_len[qs])
+        for p in ps:
+            self._refresh(p)
+        self.seq_rep[qs] = QUEUED
+        self._n_running -= len(qs)
+        seqs, key = self._seqs, self.priority_fn
+        self._queue.extend((key(seqs[q]), q) for q in qs.tolist())
+        self._queue.sort()  # timsort merges the two sorted runs in linear time
+        self._order = None
+        return self.seq_id[qs].tolist()
+
+    def _candidates(self, targets: Iterable[str] | None) -> np.ndarray:
+        """Positions a dispatch may choose from, ascending (the tie-breaking order)."""
+        if targets is None:
+            return np.flatnonzero(self.active[: len(self._rid_of)])
+        return np.unique(np.fromiter((self._pos(t) for t in targets), np.int64))
+
+    def dispatch(
+        self, targets: Iterable[str] | None = None, *, record: bool = True
+    ) -> list[tuple[int, str]]:
+        """Dispatch waiting sequences in priority order to the max-ΔT replica with room."""
+        if not self._queue:
+            return []
+        order = self._queue_order()
+        m = len(self._rid_of)
+        placed = kernels.dispatch_order(
+            order,
+            self.seq_len,
+            self.seq_rep,
+            self._candidates(targets),
+            self.n[:m],
+            self.tok[:m],
+            self.cap[:m],
+            self.kind[:m],
+            self.A[:m],
+            self.B[:m],
+            self.C[:m],
+            self.D[:m],
+            self.T[:m],
+        )
+        if not placed:
+            return []
+        out = []
+        if record:
+            rep, ids, rid_of = self.seq_rep, self.seq_id, self._rid_of
+            out = [(int(ids[q]), rid_of[rep[q]]) for q in order[:placed]]
+        del self._queue[:placed]
+        self._order = order[placed:]
+        self._n_running += placed
+        return out
+
+    # ------------------------------------------------ Alg. 3 and Alg. 4
+    def shift_down(self, rids: Iterable[str], *, record: bool = True) -> MigrationResult:
+        """Alg. 3: abort everything on the leaving replicas, remove them, re-dispatch."""
+        rids = list(rids)
+        for rid in rids:
+            self._pos(rid)
+        res = MigrationResult(throughput_before=self.throughput())
+        t0 = time.perf_counter()
+        if rids:
+            ps = [self.replicas[rid] for rid in rids]
+            if record:
+                rep = self.seq_rep[: len(self._seqs)]
+                res.aborted = [
+                    (int(self.seq_id[q]), self._rid_of[rep[q]])
+                    for q in np.flatnonzero(np.isin(rep, ps))
+                ]
+            self._abort(ps, "all")
+            for rid in rids:
+                self.remove_replica(rid)
+        t1 = time.perf_counter()
+        res.dispatched = self.dispatch(record=record)
+        res.abort_s, res.dispatch_s = t1 - t0, time.perf_counter() - t1
+        res.throughput_after = self.throughput()
+        return res
+
+    def shift_up(
+        self, new: Iterable[tuple[str, int, ReplicaModel]], *, record: bool = True
+    ) -> MigrationResult:
+        """Alg. 4: add replicas (id, KV capacity, model), fill them from the queue, migrate."""
+        res = MigrationResult(throughput_before=self.throughput())
+        t0 = time.perf_counter()
+        added = []
+        for rid, capacity, model in new:
+            self.add_replica(rid, capacity, model)
+            added.append(rid)
+        res.dispatched = self.dispatch(added, record=record)
+        t1 = time.perf_counter()
+        res.dispatch_s = t1 - t0
+        if self.migration and added and not self._queue:
+            self._migrate(res, record)
+        res.migrate_s = time.perf_counter() - t1
+        res.throughput_after = self.throughput()
+        return res
+
+    def _migrate(self, res: MigrationResult, record: bool) -> None:
+        m = len(self._rid_of)
+        nq = len(self._seqs)
+        rep = self.seq_rep[:nq]
+        qs = np.flatnonzero(rep >= 0)
+        if not len(qs):
+            return
+        orig = qs[np.lexsort((self.seq_id[qs], self.seq_len[qs], rep[qs]))]
+        reps_sorted = rep[orig]
+        bounds = np.arange(m + 1, dtype=np.int64)
+        start = np.searchsorted(reps_sorted, bounds[:-1], "left").astype(np.int64)
+        end = np.searchsorted(reps_sorted, bounds[:-1], "right").astype(np.int64)
+        budget = len(qs)
+        out_q = np.empty(budget, np.int64)
+        out_src = np.empty(budget, np.int64)
+        out_dst = np.empty(budget, np.int64)
+        moves = kernels.migrate(
+            orig,
+            start,
+            end,
+            self.seq_len,
+            self.seq_rep,
+            self.seq_id,
+            self.active[:m],
+            self.n[:m],
+            self.tok[:m],
+            self.cap[:m],
+            self.kind[:m],
+            self.A[:m],
+            self.B[:m],
+            self.C[:m],
+            self.D[:m],
+            self.T[:m],
+            budget,
+            out_q,
+            out_src,
+            out_dst,
+        )
+        res.migrations += moves
+        if record and moves:
+            ids, rid_of = self.seq_id, self._rid_of
+            res.aborted.extend(
+                (int(ids[q]), rid_of[s])
+                for q, s in zip(out_q[:moves], out_src[:moves], strict=True)
+            )
+            res.dispatched.extend(
+                (int(ids[q]), rid_of[d])
+                for q, d in zip(out_q[:moves], out_dst[:moves], strict=True)
+            )
+
+    # ---------------------------------------------------------------- copy
+    def clone(self) -> Scheduler:
+        """An independent copy of the state (payloads shared) for planner simulation."""
+        c = Scheduler.__new__(Scheduler)
+        c.role, c.priority_fn, c.migration = self.role, self.priority_fn, self.migration
+        c.replicas = dict(self.replicas)
+        c._rid_of = list(self._rid_of)
+        c._model_of = list(self._model_of)
+        for name in self._REPLICA_ARRAYS + self._SEQ_ARRAYS:
+            setattr(c, name, getattr(self, name).copy())
+        c._seqs = list(self._seqs)
+        c._q_of = dict(self._q_of)
+        c._queue = list(self._queue)
+        c._order = self._order  # immutable once built: dispatch slices, never writes
+        c._n_running = self._n_running
+        return c
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        nq = len(self._seqs)
+        rep = self.seq_rep[:nq]
+        for rid, p in self.replicas.items():
+            assert self._rid_of[p] == rid and self.active[p]
+            on = rep == p
+            assert self.n[p] == on.sum(), (rid, self.n[p], on.sum())
+            assert self.tok[p] == self.seq_len[:nq][on].sum(), rid
+            self_T = self.T[p]
+            self._refresh(p)
+            assert self.T[p] == self_T, rid
+        inactive = [p for p in range(len(self._rid_of)) if not self.active[p]]
+        assert not np.isin(rep, inactive).any(), "a sequence sits on an inactive replica"
+        assert self._n_running == int((rep >= 0).sum())
+        assert sorted(q for _, q in self._queue) == [int(q) for q in np.flatnonzero(rep == QUEUED)]
+        assert self._queue == sorted(self._queue)
+        for seq_id, q in self._q_of.items():
+            assert self._seqs[q].seq_id == seq_id and self.seq_id[q] == seq_id
+            assert self._seqs[q].length == self.seq_len[q]

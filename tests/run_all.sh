@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install everything pivot_hpc's tests need on a fresh Debian machine, then run them.
+# This is the README's test command; .ci/run calls it unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+
+# torch first, pinned: on CPU machines 2.13.0 is the local CPU build; anything else
+# would pull a multi-GB CUDA build (PLATFORM.md).
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+  "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q -e '.[test]'
+
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+
+# Compile the scheduler's numba loops once, outside any test timeout.
+"$PY" -c 'import pivot_hpc.bench.planner_bench as b, argparse; b.run(argparse.Namespace(gpus=16, snapshots=1, repeat=1, seed=0, strategy="pivot", json=True))' >/dev/null
+
+exec "$PY" -m pytest -q tests "$@"
