@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from pivot_hpc.config.schema import ShiftTimes
+from pivot_hpc.errors import UsageError
 from pivot_hpc.planner.snapshot import Snapshot, Topology, TrainingState, replica_id
 from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
 
@@ -46,7 +47,7 @@ def _lengths(rng: np.random.Generator, n: int, median: float, cap: int, prompt: 
 def realistic_snapshot(gpus: int, seed: int = 0) -> Snapshot:
     """A mid-step snapshot of a `gpus`-GPU cluster (multiple of 8; 8 GPUs per node)."""
     if gpus < 8 or gpus % 8:
-        raise ValueError(f"--gpus {gpus}: use a multiple of 8 (8 GPUs per node), at least 8")
+        raise UsageError(f"--gpus {gpus}: use a multiple of 8 (8 GPUs per node), at least 8")
     rng = np.random.default_rng(seed)
     train = gpus // 4
     topo = Topology.build(

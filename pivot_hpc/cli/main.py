@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from pivot_hpc import __version__
-from pivot_hpc.config import ConfigError
+from pivot_hpc.errors import PivotError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pivot_hpc.cli.bench", "benchmarks of pivot_hpc's own parts (JSON with --json)"),
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     mod = importlib.import_module(args._module)
     try:
         return int(mod.run(args) or 0)
-    except ConfigError as exc:
-        print(f"pivot-hpc: config error: {exc}", file=sys.stderr)
+    except PivotError as exc:
+        print(f"pivot-hpc: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -18,10 +18,12 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from pivot_hpc.errors import PivotError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(PivotError, ValueError):
     """A config value is missing, unknown, of the wrong type, or inconsistent."""
 
 
@@ -97,6 +99,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"config key '{path}': expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"config key '{path}': expected a number, got {value!r}")
         return float(value)

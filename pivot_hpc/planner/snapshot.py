@@ -15,13 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pivot_hpc.config.schema import Config, ShiftTimes
+from pivot_hpc.errors import PivotError
 from pivot_hpc.scheduler import BusyModel, ReplicaModel, Scheduler, ThroughputModel
 
 INFERENCE_ROLES = ("rollout", "reward")
 TRAINING = "training"
 
 
-class SnapshotError(ValueError):
+class SnapshotError(PivotError, ValueError):
     """The snapshot contradicts the topology (overlapping replicas, unknown slots, …)."""
 
 

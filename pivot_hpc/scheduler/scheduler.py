@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from pivot_hpc.errors import PivotError
 from pivot_hpc.scheduler import kernels
 from pivot_hpc.scheduler.throughput import ReplicaModel
 
@@ -82,7 +83,7 @@ class MigrationResult:
     migrate_s: float = 0.0
 
 
-class SchedulerError(ValueError):
+class SchedulerError(PivotError, ValueError):
     """Inconsistent use of the scheduler (unknown replica, duplicate sequence, …)."""
 
 
