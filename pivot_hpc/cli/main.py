@@ -16,10 +16,14 @@ from pivot_hpc.errors import PivotError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pivot_hpc.cli.bench", "benchmarks of pivot_hpc's own parts (JSON with --json)"),
+    "profile": ("pivot_hpc.cli.profile", "fit the throughput model (A, B, C, D) of an engine"),
+    "simulate": ("pivot_hpc.cli.simulate", "run a deployment on a simulated cluster"),
+    "report": ("pivot_hpc.cli.report", "summarise a run directory's telemetry"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `only`, just that subcommand's module is imported (fast, robust)."""
     parser = argparse.ArgumentParser(
         prog="pivot-hpc",
         description="Slurm-native RL post-training with generative rewards and GPU role shifting.",
@@ -29,15 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_module=module)
+        if name == only:
+            importlib.import_module(module).add_arguments(p)
+            p.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(only).parse_args(argv)
     mod = importlib.import_module(args._module)
     try:
         return int(mod.run(args) or 0)

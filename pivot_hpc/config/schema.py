@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pivot_hpc.config.loader import ConfigError, fail
+from pivot_hpc.coordinator.config import DeploymentConfig, LoopConfig
+from pivot_hpc.engines.config import EnginesConfig
+from pivot_hpc.models.config import ModelsConfig
+from pivot_hpc.rl.config import RLConfig
+from pivot_hpc.sim.config import SimConfig
 
 STRATEGIES = ("pivot", "static", "rule", "vanilla")
 
@@ -144,6 +149,12 @@ class Config:
     training: TrainingRoleConfig = field(default_factory=TrainingRoleConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)  # tiny CPU policy + GenRM
+    engines: EnginesConfig = field(default_factory=EnginesConfig)  # inference engine per role
+    rl: RLConfig = field(default_factory=RLConfig)  # GRPO, trainer, rewards, datasets
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
     def validate(self, path: str) -> None:
         n = self.cluster.total_gpus

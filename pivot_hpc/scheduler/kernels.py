@@ -183,3 +183,11 @@ def migrate(
         out_dst[moves] = dst
         moves += 1
     return moves
+
+
+@njit(cache=True)
+def refresh_all(cand, n, tok, kind, A, B, C, D, T):
+    """Recompute the throughput of replicas `cand` (after bulk length updates)."""
+    for i in range(cand.shape[0]):
+        p = cand[i]
+        T[p] = throughput(kind[p], A[p], B[p], C[p], D[p], n[p], tok[p])

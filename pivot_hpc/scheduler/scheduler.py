@@ -181,14 +181,20 @@ class Scheduler:
     def replica_views(self) -> list[ReplicaView]:
         return [self.replica(rid) for rid in self.replicas]
 
+    def _synced(self, q: int) -> SeqState:
+        """The SeqState of position q with its length refreshed from the arrays."""
+        seq = self._seqs[q]
+        seq.length = int(self.seq_len[q])
+        return seq
+
     def queued(self) -> list[SeqState]:
         """Waiting sequences in dispatch order."""
-        return [self._seqs[q] for _, q in self._queue]
+        return [self._synced(q) for _, q in self._queue]
 
     def running_on(self, rid: str) -> list[SeqState]:
         p = self._pos(rid)
         qs = np.flatnonzero(self.seq_rep[: len(self._seqs)] == p)
-        return [self._seqs[int(q)] for q in qs]
+        return [self._synced(int(q)) for q in qs]
 
     def location(self, seq_id: int) -> str | None:
         """The replica running `seq_id`; None if it waits in the queue or is unknown."""
@@ -201,7 +207,7 @@ class Scheduler:
         q = self._q_of.get(seq_id)
         if q is None:
             raise SchedulerError(f"{self.role}: sequence {seq_id} is not known to the scheduler")
-        return self._seqs[q]
+        return self._synced(q)
 
     def _pos(self, rid: str) -> int:
         try:
@@ -267,11 +273,11 @@ class Scheduler:
 
     def _enqueue(self, q: int) -> None:
         self.seq_rep[q] = QUEUED
-        bisect.insort(self._queue, (self.priority_fn(self._seqs[q]), q))
+        bisect.insort(self._queue, (self.priority_fn(self._synced(q)), q))
         self._order = None
 
     def _dequeue(self, q: int) -> None:
-        key = (self.priority_fn(self._seqs[q]), q)
+        key = (self.priority_fn(self._synced(q)), q)
         i = bisect.bisect_left(self._queue, key)
         if i == len(self._queue) or self._queue[i] != key:  # key changed under us: search
             i = next(j for j, (_, qq) in enumerate(self._queue) if qq == q)
@@ -282,6 +288,39 @@ class Scheduler:
         if self._order is None:
             self._order = np.fromiter((q for _, q in self._queue), np.int64, len(self._queue))
         return self._order
+
+    def set_lengths(self, lengths: dict[int, int]) -> None:
+        """Bulk update of context lengths (monitor data: tokens generated since dispatch)."""
+        if not lengths:
+            return
+        try:
+            qs = np.fromiter((self._q_of[s] for s in lengths), np.int64, len(lengths))
+        except KeyError as exc:
+            raise SchedulerError(f"{self.role}: sequence {exc.args[0]} is not scheduled") from None
+        new = np.fromiter(lengths.values(), np.int64, len(lengths))
+        if self._queue and (self.seq_rep[qs] == QUEUED).any():
+            for seq_id, length in lengths.items():  # queued: priority keys may change
+                self.grow(seq_id, length)
+            return
+        self.seq_len[qs] = new
+        m = len(self._rid_of)
+        nq = len(self._seqs)
+        rep = self.seq_rep[:nq]
+        running = rep >= 0
+        self.tok[:m] = np.bincount(rep[running], weights=self.seq_len[:nq][running], minlength=m)[
+            :m
+        ]
+        kernels.refresh_all(
+            np.flatnonzero(self.active[:m]),
+            self.n[:m],
+            self.tok[:m],
+            self.kind[:m],
+            self.A[:m],
+            self.B[:m],
+            self.C[:m],
+            self.D[:m],
+            self.T[:m],
+        )
 
     def grow(self, seq_id: int, length: int) -> None:
         """A running or queued sequence now holds `length` tokens of context."""
@@ -295,12 +334,11 @@ class Scheduler:
             self.tok[p] += length - int(self.seq_len[q])
             self._refresh(p)
         self.seq_len[q] = length
-        self._seqs[q].length = length
         if p == QUEUED:
             self._enqueue(q)
 
     def _release(self, q: int) -> SeqState:
-        seq = self._seqs[q]
+        seq = self._synced(q)
         self.seq_rep[q] = GONE
         self._seqs[q] = None
         del self._q_of[seq.seq_id]
@@ -360,8 +398,11 @@ class Scheduler:
             self._refresh(p)
         self.seq_rep[qs] = QUEUED
         self._n_running -= len(qs)
-        seqs, key = self._seqs, self.priority_fn
-        self._queue.extend((key(seqs[q]), q) for q in qs.tolist())
+        ql = qs.tolist()
+        if self.priority_fn is PRIORITIES["seq_id"]:  # the common case, in bulk
+            self._queue.extend(zip([(i,) for i in self.seq_id[qs].tolist()], ql, strict=True))
+        else:
+            self._queue.extend((self.priority_fn(self._synced(q)), q) for q in ql)
         self._queue.sort()  # timsort merges the two sorted runs in linear time
         self._order = None
         return self.seq_id[qs].tolist()
@@ -536,4 +577,3 @@ class Scheduler:
         assert self._queue == sorted(self._queue)
         for seq_id, q in self._q_of.items():
             assert self._seqs[q].seq_id == seq_id and self.seq_id[q] == seq_id
-            assert self._seqs[q].length == self.seq_len[q]

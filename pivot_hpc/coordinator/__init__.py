@@ -1,0 +1,1 @@
+"""The coordinator: RL loop, schedulers, planner and shifts over an abstract cluster."""

@@ -1,0 +1,61 @@
+"""The abstract cluster the coordinator drives (DESIGN.md §2: one brain, two clusters).
+
+Replica ids are "<role>:<slot>" (see planner.snapshot); the training set is "training".
+All calls are non-blocking requests; completions come back as events from `poll`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pivot_hpc.coordinator.events import Event
+from pivot_hpc.coordinator.rl_state import Sample
+
+
+class Cluster(Protocol):
+    def now(self) -> float:
+        """Seconds since the run started (simulated or wall clock)."""
+        ...
+
+    def shift_up(self, rid: str, version: int) -> None:
+        """Bring replica `rid` (or "training") up: read weights from GPS, reload context."""
+        ...
+
+    def shift_down(self, rid: str) -> None:
+        """Take `rid` down: discard temporaries and weights, offload stateful context.
+
+        Its sequences must have been aborted first (`abort`)."""
+        ...
+
+    def start(self, rid: str, sample: Sample, role: str) -> None:
+        """Start (or resume, by re-prefill) the role's sequence of `sample` on `rid`."""
+        ...
+
+    def abort(self, rid: str, seq_id: int) -> int:
+        """Stop a running sequence; its generated tokens are kept. Returns its length."""
+        ...
+
+    def lengths(self, role: str) -> dict[int, int]:
+        """Current context length of every running sequence of `role` (monitor data)."""
+        ...
+
+    def update_weights(self, rid: str, version: int) -> None:
+        """Make an active rollout replica load policy `version` from GPS."""
+        ...
+
+    def train(self, step: int, samples: Sequence[Sample]) -> None:
+        """Run one training step on the training set (it must be up)."""
+        ...
+
+    def prefill_time(self, role: str, tokens: int) -> float:
+        """Estimated seconds to (re-)prefill `tokens` of context on one replica of `role`."""
+        ...
+
+    def measured_throughput(self, role: str) -> float:
+        """Tokens/s the role generated recently (for telemetry)."""
+        ...
+
+    def poll(self, until: float) -> list[Event]:
+        """Events up to time `until` (the simulator advances its clock; live waits)."""
+        ...

@@ -1,0 +1,51 @@
+"""Configuration of the coordinator: deployment mode and the RL loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pivot_hpc.config.loader import fail
+
+
+@dataclass(kw_only=True)
+class DeploymentConfig:
+    """How roles share GPUs (paper §8.1, Table 4). GPU counts are for the static splits."""
+
+    mode: Literal["colocated", "disaggregated", "rr_colocated", "pivot"] = "pivot"
+    staleness: int | None = None  # None: 0 for colocated, 2 otherwise (App. E)
+    rollout_gpus: int | None = None  # disaggregated split (and static/rule's start)
+    reward_gpus: int | None = None
+
+    def validate(self, path: str) -> None:
+        if self.staleness is not None and self.staleness < 0:
+            fail(f"{path}.staleness", self.staleness, "must be >= 0")
+        if self.mode == "colocated" and self.staleness:
+            fail(f"{path}.staleness", self.staleness, "colocated runs synchronously: use 0")
+
+    def effective_staleness(self) -> int:
+        if self.staleness is not None:
+            return self.staleness
+        return 0 if self.mode == "colocated" else 2
+
+
+@dataclass(kw_only=True)
+class LoopConfig:
+    """The RL loop: steps, and prompts × samples per step."""
+
+    steps: int = 10
+    batch_prompts: int = 64
+    samples_per_prompt: int = 8
+    monitor_interval_s: float = 1.0  # telemetry rows and length sync
+
+    def validate(self, path: str) -> None:
+        if self.steps < 1:
+            fail(f"{path}.steps", self.steps, "must be >= 1")
+        if self.batch_prompts < 1 or self.samples_per_prompt < 1:
+            fail(
+                f"{path}.batch_prompts",
+                (self.batch_prompts, self.samples_per_prompt),
+                "must be >= 1",
+            )
+        if self.monitor_interval_s <= 0:
+            fail(f"{path}.monitor_interval_s", self.monitor_interval_s, "must be > 0")

@@ -1,0 +1,574 @@
+"""The coordinator: the RL loop, the schedulers, the planner and shift execution.
+
+One event loop over an abstract `Cluster` (DESIGN.md §2). The simulator and the live MPI
+runtime provide clusters; this class, its two schedulers and the planner are the same
+objects in both. A deployment `Mode` (modes.py) decides when replicas shift; everything
+else — dispatching sequences, migrating them on shifts, rewarding, training within the
+staleness bound, publishing versions, telemetry — is done here the same way for all.
+
+Shift execution: a shift down first aborts the replica's sequences on the cluster (their
+tokens come back), updates the scheduler, and lets Alg. 3 re-dispatch them; a shift up
+waits until its GPUs are free (their previous occupants finished shifting down), then
+the replica loads weights from GPS and Alg. 4 fills and balances it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pivot_hpc.coordinator.cluster import Cluster
+from pivot_hpc.coordinator.events import (
+    SequenceFinished,
+    ShiftDone,
+    TrainingDone,
+    WeightsUpdated,
+)
+from pivot_hpc.coordinator.rl_state import ConservationError, RLState, Sample
+from pivot_hpc.planner import ShiftPlan, Snapshot, Topology, TrainingState, role_of
+from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
+from pivot_hpc.scheduler import MigrationResult, Scheduler, SeqState
+
+Rewarder = Callable[[Sample, Any], tuple[float, float]]
+
+
+class Telemetry(Protocol):
+    def throughput(
+        self, t, role, replicas, gpus, n_seq, n_queued, n_tok, tokens_per_s, est_tokens_per_s
+    ) -> None: ...
+    def allocation(
+        self, t, rollout_gpus, reward_gpus, training_gpus, idle_gpus, transition_gpus
+    ) -> None: ...
+    def shift(
+        self,
+        t,
+        kind,
+        role,
+        replica,
+        gpus,
+        plan_id,
+        penalty,
+        benefit,
+        discard_s,
+        read_s,
+        offload_s,
+        reload_s,
+        total_s,
+    ) -> None: ...
+    def planner(
+        self,
+        t,
+        plan_id,
+        strategy,
+        up_role,
+        n_up,
+        n_down,
+        candidates,
+        preprocess_s,
+        construct_s,
+        simulate_s,
+        benefit,
+        throughput_current,
+        throughput_expected,
+    ) -> None: ...
+    def migration(self, t, role, kind, sequences, abort_s, dispatch_s, reprefill_s) -> None: ...
+    def step(
+        self,
+        step,
+        start,
+        end,
+        rollout_tokens,
+        reward_tokens,
+        train_tokens,
+        samples,
+        reward_mean,
+        reward_verifiable_mean,
+        reward_genrm_mean,
+        loss,
+        staleness_max,
+        staleness_mean,
+        version,
+    ) -> None: ...
+    def flush(self) -> None: ...
+
+
+class NullTelemetry:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
+
+
+class Mode(Protocol):
+    name: str
+
+    def may_release(self, c: Coordinator, step: int) -> bool:
+        """Whether batch `step` may start rolling out (on top of the staleness bound)."""
+        ...
+
+    def start(self, c: Coordinator) -> None: ...
+
+    def on_change(self, c: Coordinator) -> None:
+        """Called after every handled event batch: react to drained stages, ready batches."""
+        ...
+
+    def on_tick(self, c: Coordinator) -> None: ...
+
+
+@dataclass
+class StepLog:
+    start: float = 0.0
+    rollout_tokens: int = 0
+    reward_tokens: int = 0
+
+
+@dataclass
+class Stats:
+    """Counters the tests and the final summary read."""
+
+    shifts_up: int = 0
+    shifts_down: int = 0
+    plans: int = 0
+    migrated: int = 0
+    planner_s: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)  # per step mean reward
+
+
+class Coordinator:
+    def __init__(
+        self,
+        *,
+        cluster: Cluster,
+        topology: Topology,
+        rl: RLState,
+        mode: Mode,
+        capacity: dict[str, int],
+        rewarder: Rewarder,
+        telemetry: Telemetry | None = None,
+        tick_s: float = 1.0,
+        priority: str = "seq_id",
+        migration: bool = True,
+        on_step: Callable[[int, dict[str, float]], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.topology = topology
+        self.rl = rl
+        self.mode = mode
+        self.capacity = capacity
+        self.rewarder = rewarder
+        self.telemetry: Telemetry = telemetry or NullTelemetry()
+        self.tick_s = tick_s
+        self.on_step = on_step
+        self.schedulers = {
+            r: Scheduler(r, priority=priority, migration=migration) for r in INFERENCE_ROLES
+        }
+        self.training = TrainingState()
+        self.samples: dict[int, Sample] = {}
+        self.owner: dict[int, str] = {}  # GPU -> replica holding or shifting on it
+        self.shifting: dict[str, str] = {}  # rid -> "up" | "down"
+        self.pending_up: list[tuple[str, int]] = []  # (rid, plan id) waiting for GPUs
+        # Policy version each rollout replica decodes with: set when its load is requested,
+        # because a replica applies a weight update before it decodes anything else.
+        self.replica_version: dict[str, int] = {}
+        self.up_version: dict[str, int] = {}  # version a shifting-up replica reads
+        self.plan_of: dict[str, tuple[int, float, float]] = {}  # rid -> plan id, φ, benefit
+        self.steps: dict[int, StepLog] = {}
+        self.stats = Stats()
+        self.plan_id = 0
+        self._allocation: tuple[int, ...] | None = None
+        self._arrived: dict[str, list[str]] = {}  # replicas up, waiting for Alg. 4
+        self.tokens_total = 0  # rollout + reward tokens of completed steps (§8.1 throughput)
+        self.first_step_start = float("inf")
+        self.last_step_end = 0.0
+        self.stall_s = 3600.0  # no event for this long while work remains: a bug, not a wait
+
+    # ------------------------------------------------------------- loop
+    def run(
+        self, max_time: float | None = None, progress: Callable[[int], None] | None = None
+    ) -> None:
+        self.mode.start(self)
+        self.release()
+        self.mode.on_change(self)
+        next_tick = self.cluster.now()
+        last_event = next_tick
+        while not self.rl.done:
+            if max_time is not None and self.cluster.now() > max_time:
+                raise TimeoutError(
+                    f"run did not finish {self.rl.steps} steps within {max_time} s "
+                    f"(reached version {self.rl.version})"
+                )
+            events = self.cluster.poll(until=next_tick)
+            before = self.rl.version
+            for ev in events:
+                self.handle(ev)
+            self.activate_arrived()
+            if events:
+                last_event = self.cluster.now()
+                self.mode.on_change(self)
+            elif self.cluster.now() - last_event > self.stall_s:
+                raise ConservationError(f"no progress for {self.stall_s:.0f} s: {self.describe()}")
+            if self.cluster.now() >= next_tick:
+                self.tick()
+                next_tick = self.cluster.now() + self.tick_s
+            if progress is not None and self.rl.version != before:
+                progress(self.rl.version - before)
+        self.telemetry.flush()
+
+    def tick(self) -> None:
+        for role in INFERENCE_ROLES:
+            self.schedulers[role].set_lengths(self.cluster.lengths(role))
+        self._log_throughput()
+        self.mode.on_tick(self)
+
+    def handle(self, ev) -> None:
+        if isinstance(ev, SequenceFinished):
+            self._on_finished(ev)
+        elif isinstance(ev, ShiftDone):
+            self._on_shift_done(ev)
+        elif isinstance(ev, TrainingDone):
+            self._on_trained(ev)
+        elif isinstance(ev, WeightsUpdated):
+            pass  # the replica_version was set when the update was requested (see below)
+        else:
+            raise TypeError(f"unknown event {ev!r}")
+
+    # ------------------------------------------------------- sequences
+    def release(self) -> None:
+        """Release every batch the staleness bound and the mode allow to rollout."""
+        while self.rl.can_release() and self.mode.may_release(self, self.rl.released):
+            batch = self.rl.release()
+            self.steps[batch[0].step] = StepLog(start=self.cluster.now())
+            sched = self.schedulers["rollout"]
+            for s in batch:
+                self.samples[s.sample_id] = s
+                sched.submit(SeqState(s.sample_id, s.prompt_len, s))
+        self.dispatch("rollout")
+
+    def dispatch(self, role: str) -> None:
+        for seq_id, rid in self.schedulers[role].dispatch():
+            self._start(role, rid, seq_id)
+
+    def _start(self, role: str, rid: str, seq_id: int) -> None:
+        s = self.samples[seq_id]
+        if role == "rollout" and s.version_start < 0:
+            s.version_start = self.replica_version.get(rid, self.rl.version)
+        self.cluster.start(rid, s, role)
+
+    def _on_finished(self, ev: SequenceFinished) -> None:
+        sched = self.schedulers[ev.role]
+        if sched.location(ev.seq_id) != ev.rid:
+            raise ConservationError(
+                f"{ev.role} sequence {ev.seq_id} finished on {ev.rid} but the scheduler has it "
+                f"on {sched.location(ev.seq_id)}"
+            )
+        sched.finish(ev.seq_id)
+        s = self.samples[ev.seq_id]
+        log = self.steps[s.step]
+        if ev.role == "rollout":
+            self.rl.rollout_done(s, ev.generated)
+            log.rollout_tokens += ev.generated
+            self.schedulers["reward"].submit(SeqState(s.sample_id, s.prompt_len + ev.generated, s))
+            self.dispatch("reward")
+        else:
+            verifiable, genrm = self.rewarder(s, ev.result)
+            self.rl.reward_done(s, verifiable, genrm, ev.generated)
+            log.reward_tokens += ev.generated
+        self.dispatch(ev.role)
+        self.maybe_train()
+
+    # ------------------------------------------------------------ shifts
+    def gpus_free(self, rid: str) -> bool:
+        return all(g not in self.owner for g in self.topology.gpus_of(rid))
+
+    def request_up(self, rids: Iterable[str], plan_id: int = 0) -> None:
+        for rid in rids:
+            if rid in self.shifting or self._is_up(rid):
+                raise ConservationError(f"{rid} is already up or shifting")
+            self.pending_up.append((rid, plan_id))
+        self._start_pending()
+
+    def _is_up(self, rid: str) -> bool:
+        if rid == TRAINING:
+            return self.training.active
+        return rid in self.schedulers[role_of(rid)].replicas
+
+    def _start_pending(self) -> None:
+        waiting = []
+        for rid, plan_id in self.pending_up:
+            if not self.gpus_free(rid):
+                waiting.append((rid, plan_id))
+                continue
+            for g in self.topology.gpus_of(rid):
+                self.owner[g] = rid
+            self.shifting[rid] = "up"
+            self.up_version[rid] = self.rl.version
+            self.cluster.shift_up(rid, self.rl.version)
+        self.pending_up = waiting
+
+    def take_down(self, rids: Iterable[str], plan_id: int = 0) -> None:
+        """Shift replicas down: abort + migrate their sequences (Alg. 3), then release GPUs."""
+        by_role: dict[str, list[str]] = defaultdict(list)
+        for rid in rids:
+            if rid in self.shifting:
+                raise ConservationError(f"{rid} is already shifting")
+            by_role[role_of(rid)].append(rid)
+        for role, group in by_role.items():
+            if role == TRAINING:
+                if self.training.busy:
+                    raise ConservationError("training cannot shift down while it trains")
+                self.training.active = False
+                self.shifting[TRAINING] = "down"
+                self.cluster.shift_down(TRAINING)
+                continue
+            sched = self.schedulers[role]
+            t0 = time.perf_counter()
+            lengths = {}
+            for rid in group:
+                for seq in sched.running_on(rid):
+                    lengths[seq.seq_id] = self.cluster.abort(rid, seq.seq_id)
+            sched.set_lengths(lengths)
+            abort_s = time.perf_counter() - t0
+            res = sched.shift_down(group)
+            for seq_id, rid in res.dispatched:
+                self._start(role, rid, seq_id)
+            self._log_migration(role, "down", res, abort_s)
+            for rid in group:
+                self.shifting[rid] = "down"
+                self.cluster.shift_down(rid)
+
+    def _on_shift_done(self, ev: ShiftDone) -> None:
+        rid = ev.rid
+        if self.shifting.pop(rid, None) != ev.kind:
+            raise ConservationError(f"unexpected shift-{ev.kind} completion of {rid}")
+        role = role_of(rid)
+        plan_id, phi, benefit = self.plan_of.pop(rid, (0, 0.0, 0.0))
+        gpus = len(self.topology.gpus_of(rid))
+        ph = ev.phases
+        self.telemetry.shift(
+            ev.t,
+            ev.kind,
+            role,
+            rid,
+            gpus,
+            plan_id,
+            phi,
+            benefit,
+            ph.get("discard_s", 0.0),
+            ph.get("read_s", 0.0),
+            ph.get("offload_s", 0.0),
+            ph.get("reload_s", 0.0),
+            sum(ph.values()),
+        )
+        if ev.kind == "down":
+            self.stats.shifts_down += 1
+            for g in self.topology.gpus_of(rid):
+                if self.owner.get(g) == rid:
+                    del self.owner[g]
+            self.replica_version.pop(rid, None)
+            self._start_pending()
+        else:
+            self.stats.shifts_up += 1
+            if role == TRAINING:
+                self.training.active = True
+                self.maybe_train()
+            else:
+                if (
+                    role == "rollout"
+                    and self.up_version.pop(rid, self.rl.version) < self.rl.version
+                ):
+                    self.cluster.update_weights(rid, self.rl.version)  # trained while it read
+                self.replica_version[rid] = self.rl.version
+                self._arrived.setdefault(role, []).append(rid)
+        self._log_allocation()
+
+    def activate_arrived(self) -> None:
+        """Alg. 4 once per role for every replica that finished shifting up at this instant."""
+        arrived, self._arrived = self._arrived, {}
+        for role, rids in arrived.items():
+            sched = self.schedulers[role]
+            if sched.n_running:
+                sched.set_lengths(self.cluster.lengths(role))
+            spec = self.topology.roles[role]
+            t0 = time.perf_counter()
+            res = sched.shift_up([(rid, self.capacity[role], spec.model) for rid in rids])
+            plan_s = time.perf_counter() - t0
+            # Net effect of the moves: a sequence may move twice within one migration;
+            # the cluster aborts it where it runs and starts it where it ends up.
+            # (dispatched = queue phase first, then one entry per migration move)
+            from_queue = {sid for sid, _ in res.dispatched[: len(res.dispatched) - res.migrations]}
+            origin: dict[int, str] = {}
+            for seq_id, src in res.aborted:
+                if seq_id not in from_queue:
+                    origin.setdefault(seq_id, src)
+            final = dict(res.dispatched)
+            t1 = time.perf_counter()
+            lengths = {
+                seq_id: self.cluster.abort(src, seq_id)
+                for seq_id, src in origin.items()
+                if final.get(seq_id) != src
+            }
+            abort_s = time.perf_counter() - t1 + plan_s
+            if lengths:
+                sched.set_lengths(lengths)
+            for seq_id, dst in final.items():
+                if seq_id not in origin or origin[seq_id] != dst:
+                    self._start(role, dst, seq_id)
+            self._log_migration(role, "up", res, abort_s)
+
+    def _log_migration(self, role: str, kind: str, res: MigrationResult, abort_s: float) -> None:
+        moved = len(res.dispatched)
+        if not moved and not res.aborted:
+            return
+        self.stats.migrated += len(res.aborted)
+        per_dst: dict[str, int] = defaultdict(int)
+        sched = self.schedulers[role]
+        for seq_id, dst in dict(res.dispatched).items():
+            per_dst[dst] += sched.sequence(seq_id).length
+        reprefill = max((self.cluster.prefill_time(role, n) for n in per_dst.values()), default=0.0)
+        self.telemetry.migration(
+            self.cluster.now(),
+            role,
+            kind,
+            moved,
+            abort_s,
+            res.dispatch_s + res.migrate_s,
+            reprefill,
+        )
+
+    # ---------------------------------------------------------- training
+    def maybe_train(self) -> None:
+        if self.training.active and not self.training.busy and TRAINING not in self.shifting:
+            if self.rl.batch_ready():
+                batch = self.rl.begin_training()
+                self.training.busy = True
+                self.cluster.train(batch[0].step, batch)
+
+    def _on_trained(self, ev: TrainingDone) -> None:
+        batch = self.rl.end_training(ev.step)
+        self.training.busy = False
+        log = self.steps.pop(ev.step)
+        stale = [self.rl.version - 1 - s.version_start for s in batch]
+        if max(stale) > self.rl.staleness:
+            raise ConservationError(
+                f"step {ev.step}: staleness {max(stale)} exceeds the bound {self.rl.staleness}"
+            )
+        self.stats.staleness.extend(stale)
+        n = len(batch)
+        rewards = [s.reward for s in batch]
+        mean = sum(rewards) / n
+        self.stats.rewards.append(mean)
+        self.tokens_total += log.rollout_tokens + log.reward_tokens
+        self.first_step_start = min(self.first_step_start, log.start)
+        self.last_step_end = ev.t
+        train_tokens = sum(s.prompt_len + s.response_len for s in batch)
+        self.telemetry.step(
+            ev.step,
+            log.start,
+            ev.t,
+            log.rollout_tokens,
+            log.reward_tokens,
+            train_tokens,
+            n,
+            mean,
+            sum(s.reward_verifiable for s in batch) / n,
+            sum(s.reward_genrm for s in batch) / n,
+            float(ev.metrics.get("loss", float("nan"))),
+            max(stale),
+            sum(stale) / n,
+            self.rl.version,
+        )
+        self.telemetry.flush()
+        for s in batch:
+            del self.samples[s.sample_id]
+        if self.on_step is not None:
+            self.on_step(ev.step, {"reward": mean, "t": ev.t, **ev.metrics})
+        for rid in list(self.schedulers["rollout"].replicas):
+            if rid not in self.shifting:
+                self.cluster.update_weights(rid, self.rl.version)
+                self.replica_version[rid] = self.rl.version
+        self.release()
+        self.maybe_train()
+
+    def describe(self) -> str:
+        """One line of state for error messages."""
+        ro, rm = self.schedulers["rollout"], self.schedulers["reward"]
+        return (
+            f"version {self.rl.version}/{self.rl.steps}, released {self.rl.released}, "
+            f"rollout {len(ro.replicas)} replicas {ro.n_running} running {ro.n_queued} queued, "
+            f"reward {len(rm.replicas)} replicas {rm.n_running} running {rm.n_queued} queued, "
+            f"training active={self.training.active} busy={self.training.busy}, "
+            f"shifting {sorted(self.shifting)}, pending {[r for r, _ in self.pending_up]}"
+        )
+
+    # ----------------------------------------------------------- planner
+    def snapshot(self) -> Snapshot:
+        self.training.batch_ready = self.rl.batch_ready()
+        return Snapshot(self.topology, self.schedulers, self.training)
+
+    def idle(self) -> bool:
+        """No shift in flight or waiting: the allocation is what the schedulers say."""
+        return not self.shifting and not self.pending_up
+
+    def execute(self, plan: ShiftPlan) -> None:
+        """Log a planner decision and carry it out (shift down first, then up)."""
+        self.plan_id += 1
+        self.stats.plans += 1
+        t = plan.timings
+        self.stats.planner_s.append(t.total_s)
+        self.telemetry.planner(
+            self.cluster.now(),
+            self.plan_id,
+            plan.strategy,
+            plan.up_role or "",
+            len(plan.up),
+            len(plan.down),
+            len(plan.candidates),
+            t.preprocess_s,
+            t.construct_s,
+            t.simulate_s,
+            plan.benefit,
+            plan.throughput_current,
+            plan.throughput_expected,
+        )
+        if plan.is_noop:
+            return
+        for rid in plan.up + plan.down:
+            self.plan_of[rid] = (self.plan_id, plan.penalty, plan.benefit)
+        self.take_down(plan.down, self.plan_id)
+        self.request_up(plan.up, self.plan_id)
+        self._log_allocation()
+
+    # --------------------------------------------------------- telemetry
+    def _log_throughput(self) -> None:
+        t = self.cluster.now()
+        for role in INFERENCE_ROLES:
+            s = self.schedulers[role]
+            n_tok = sum(v.n_tok for v in s.replica_views())
+            self.telemetry.throughput(
+                t,
+                role,
+                len(s.replicas),
+                len(s.replicas) * self.topology.roles[role].tp,
+                s.n_seq,
+                s.n_queued,
+                n_tok,
+                self.cluster.measured_throughput(role),
+                s.throughput(),
+            )
+
+    def allocation(self) -> dict[str, int]:
+        count = {"rollout": 0, "reward": 0, "training": 0, "transition": 0}
+        for rid in set(self.owner.values()):
+            gpus = len(self.topology.gpus_of(rid))
+            count["transition" if rid in self.shifting else role_of(rid)] += gpus
+        count["idle"] = self.topology.num_gpus - sum(count.values())
+        return count
+
+    def _log_allocation(self) -> None:
+        a = self.allocation()
+        key = (a["rollout"], a["reward"], a["training"], a["idle"], a["transition"])
+        if key != self._allocation:
+            self._allocation = key
+            self.telemetry.allocation(self.cluster.now(), *key)

@@ -1,0 +1,57 @@
+"""What a cluster reports to the coordinator (events). Actions are `Cluster` method calls.
+
+The live MPI runtime and the simulator produce the same events; the coordinator, its
+schedulers and planner cannot tell them apart (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SequenceFinished:
+    """A rollout or reward sequence completed on replica `rid`.
+
+    `length` is its final context length; `generated` how many tokens it generated in
+    total (across aborts). `result` is engine output the RL loop needs (token ids and
+    logprobs for rollout; the judgement text or parsed score for reward), opaque here.
+    """
+
+    t: float
+    role: str
+    rid: str
+    seq_id: int
+    length: int
+    generated: int
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class ShiftDone:
+    """A replica (or the training set, rid "training") finished shifting up or down."""
+
+    t: float
+    rid: str
+    kind: str  # "up" | "down"
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+
+
+@dataclass(frozen=True)
+class TrainingDone:
+    t: float
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightsUpdated:
+    """An inference replica loaded policy `version` from GPS."""
+
+    t: float
+    rid: str
+    version: int
+
+
+Event = SequenceFinished | ShiftDone | TrainingDone | WeightsUpdated

@@ -1,0 +1,167 @@
+"""Deployment modes (paper §8.1, App. E, Table 4) as policies over one coordinator.
+
+colocated      every GPU runs rollout for batch s, then reward, then training; staleness 0;
+               each stage boundary shifts every GPU (offload/reload, as veRL does).
+disaggregated  a static split; stages overlap asynchronously within the staleness bound.
+rr_colocated   rollout and reward share one pool that alternates by batch (rollout of s,
+               then reward of s); training has its own GPUs and overlaps.
+pivot          GPUs shift at run time as the planner decides (strategy pivot, vanilla,
+               static or rule; the last two start from the disaggregated split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pivot_hpc.planner import Strategy, replica_id
+from pivot_hpc.planner.snapshot import TRAINING, Topology
+
+MODES = ("colocated", "disaggregated", "rr_colocated", "pivot")
+
+
+def slots_within(topology: Topology, role: str, gpus: set[int]) -> list[str]:
+    spec = topology.roles[role]
+    return [replica_id(role, s) for s, g in sorted(spec.slots.items()) if set(g) <= gpus]
+
+
+@dataclass
+class Split:
+    """Static GPU ranges: rollout, reward (inference) and the training set."""
+
+    rollout: set[int]
+    reward: set[int]
+
+
+class Colocated:
+    name = "colocated"
+
+    def __init__(self) -> None:
+        self.stage = "rollout"
+        self.everything: set[int] = set()
+        self.trained_to = 0
+
+    def may_release(self, c, step: int) -> bool:
+        return True  # staleness 0 already serialises the batches
+
+    def start(self, c) -> None:
+        self.everything = set(range(c.topology.num_gpus))
+        c.request_up(slots_within(c.topology, "rollout", self.everything))
+
+    def on_tick(self, c) -> None:
+        pass
+
+    def on_change(self, c) -> None:
+        if not c.idle():
+            return
+        ro, rm = c.schedulers["rollout"], c.schedulers["reward"]
+        step = c.rl.version
+        if self.stage == "rollout" and step in c.rl.batches and ro.n_seq == 0:
+            if all(s.rolled_out for s in c.rl.batches[step]):
+                self.stage = "reward"
+                c.take_down(list(ro.replicas))
+                c.request_up(slots_within(c.topology, "reward", self.everything))
+        elif self.stage == "reward" and c.rl.batch_ready():
+            self.stage = "train"
+            self.trained_to = c.rl.version + 1
+            c.take_down(list(rm.replicas))
+            c.request_up([TRAINING])
+        elif self.stage == "train" and c.rl.version >= self.trained_to and not c.rl.done:
+            self.stage = "rollout"
+            c.take_down([TRAINING])
+            c.request_up(slots_within(c.topology, "rollout", self.everything))
+
+
+class Disaggregated:
+    name = "disaggregated"
+
+    def __init__(self, split: Split) -> None:
+        self.split = split
+
+    def may_release(self, c, step: int) -> bool:
+        return True
+
+    def start(self, c) -> None:
+        c.request_up(slots_within(c.topology, "rollout", self.split.rollout))
+        c.request_up(slots_within(c.topology, "reward", self.split.reward))
+        c.request_up([TRAINING])
+
+    def on_tick(self, c) -> None:
+        pass
+
+    def on_change(self, c) -> None:
+        pass
+
+
+class RolloutRewardColocated:
+    name = "rr_colocated"
+
+    def __init__(self, pool: set[int]) -> None:
+        self.pool = pool
+        self.phase = "rollout"
+        self.batch = 0
+
+    def may_release(self, c, step: int) -> bool:
+        return step <= self.batch  # the pool rolls out one batch at a time
+
+    def start(self, c) -> None:
+        c.request_up(slots_within(c.topology, "rollout", self.pool))
+        c.request_up([TRAINING])
+
+    def on_tick(self, c) -> None:
+        pass
+
+    def on_change(self, c) -> None:
+        if not c.idle():
+            return
+        b = self.batch
+        ro, rm = c.schedulers["rollout"], c.schedulers["reward"]
+        if self.phase == "rollout" and b in c.rl.batches:
+            if all(s.rolled_out for s in c.rl.batches[b]):
+                self.phase = "reward"
+                c.take_down(list(ro.replicas))
+                c.request_up(slots_within(c.topology, "reward", self.pool))
+        elif self.phase == "reward":
+            batch = c.rl.batches.get(b)
+            if batch is None or c.rl.rewarded_count[b] == len(batch):
+                if b + 1 >= c.rl.steps:
+                    self.phase = "done"
+                    return
+                if c.rl.can_release() or b + 1 < c.rl.released:
+                    self.batch = b + 1
+                    self.phase = "rollout"
+                    c.take_down(list(rm.replicas))
+                    c.request_up(slots_within(c.topology, "rollout", self.pool))
+                    c.release()
+
+
+class Shifting:
+    """pivot mode: the planner decides every `interval` seconds, one plan at a time."""
+
+    name = "pivot"
+
+    def __init__(self, strategy: Strategy, interval_s: float, split: Split | None) -> None:
+        self.strategy = strategy
+        self.interval_s = interval_s
+        self.split = split  # static/rule start from the disaggregated split
+        self.next_plan = 0.0
+
+    def may_release(self, c, step: int) -> bool:
+        return True
+
+    def start(self, c) -> None:
+        if self.split is None:  # §8.3: PivotRL starts with every GPU rolling out
+            c.request_up(slots_within(c.topology, "rollout", set(range(c.topology.num_gpus))))
+        else:
+            c.request_up(slots_within(c.topology, "rollout", self.split.rollout))
+            c.request_up(slots_within(c.topology, "reward", self.split.reward))
+            c.request_up([TRAINING])
+
+    def on_change(self, c) -> None:
+        pass
+
+    def on_tick(self, c) -> None:
+        now = c.cluster.now()
+        if now < self.next_plan or not c.idle():
+            return
+        self.next_plan = now + self.interval_s
+        c.execute(self.strategy.plan(c.snapshot()))

@@ -1,0 +1,141 @@
+"""RL bookkeeping: samples, batches, the replay buffer, policy versions and staleness.
+
+Step s trains on batch s (batch_prompts prompts × n samples) and publishes policy
+version s+1. Batch s may start rolling out once s ≤ version + staleness, so every sample
+of batch s is generated from a policy at most `staleness` versions behind the one that
+trains on it (staleness 0 = synchronous, as colocated deployments run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pivot_hpc.errors import PivotError
+
+
+class ConservationError(PivotError, RuntimeError):
+    """A sample was lost or processed twice — a bug, reported loudly."""
+
+
+@dataclass(slots=True)
+class Sample:
+    sample_id: int  # also its sequence id in both role schedulers
+    step: int  # the batch it belongs to
+    prompt_index: int  # data cursor position of its prompt
+    group: int  # 0..n-1 within the prompt
+    prompt_len: int
+    payload: Any = None  # sim: target lengths; live: prompt tokens, sampling params
+    version_start: int = -1  # policy version when its rollout started
+    response_len: int = 0  # tokens the policy generated
+    judgement_len: int = 0  # tokens the GenRM generated
+    reward_verifiable: float = float("nan")
+    reward_genrm: float = float("nan")
+    rolled_out: bool = False
+    rewarded: bool = False
+    trained_at: int = -1  # version that trained on it
+
+    @property
+    def reward(self) -> float:
+        return self.reward_verifiable + self.reward_genrm
+
+
+class SampleSource(Protocol):
+    """Where samples come from: the dataset (live) or a workload generator (simulator)."""
+
+    def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample: ...
+
+
+@dataclass
+class RLState:
+    steps: int
+    batch_prompts: int
+    samples_per_prompt: int
+    staleness: int
+    source: SampleSource
+    version: int = 0
+    released: int = 0  # batches released to rollout
+    data_cursor: int = 0  # prompts consumed
+    next_sample_id: int = 0
+    batches: dict[int, list[Sample]] = field(default_factory=dict)
+    rewarded_count: dict[int, int] = field(default_factory=dict)
+    training_step: int | None = None  # batch being trained
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch_prompts * self.samples_per_prompt
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.steps
+
+    def can_release(self) -> bool:
+        return self.released < self.steps and self.released <= self.version + self.staleness
+
+    def release(self) -> list[Sample]:
+        """The next batch's samples (prompt-major order: sample ids ascend by prompt)."""
+        if not self.can_release():
+            raise ConservationError(
+                f"batch {self.released} cannot be released at version {self.version} "
+                f"(staleness bound {self.staleness}, {self.steps} steps)"
+            )
+        step = self.released
+        out = []
+        for _p in range(self.batch_prompts):
+            for g in range(self.samples_per_prompt):
+                s = self.source.make(self.next_sample_id, step, self.data_cursor, g)
+                self.next_sample_id += 1
+                out.append(s)
+            self.data_cursor += 1
+        self.batches[step] = out
+        self.rewarded_count[step] = 0
+        self.released += 1
+        return out
+
+    def rollout_done(self, s: Sample, response_len: int) -> None:
+        if s.rolled_out:
+            raise ConservationError(f"sample {s.sample_id} finished rollout twice")
+        s.rolled_out = True
+        s.response_len = response_len
+
+    def reward_done(self, s: Sample, verifiable: float, genrm: float, judgement_len: int) -> None:
+        if not s.rolled_out or s.rewarded:
+            raise ConservationError(f"sample {s.sample_id} rewarded twice or before its rollout")
+        s.rewarded = True
+        s.reward_verifiable, s.reward_genrm, s.judgement_len = verifiable, genrm, judgement_len
+        self.rewarded_count[s.step] += 1
+
+    def batch_ready(self) -> bool:
+        """The next step's batch is fully rewarded (and no training is running)."""
+        step = self.version
+        return (
+            self.training_step is None
+            and step < self.steps
+            and step in self.batches
+            and self.rewarded_count[step] == self.batch_size
+        )
+
+    def begin_training(self) -> list[Sample]:
+        if not self.batch_ready():
+            raise ConservationError(f"batch {self.version} is not ready for training")
+        self.training_step = self.version
+        return self.batches[self.version]
+
+    def end_training(self, step: int) -> list[Sample]:
+        if self.training_step != step:
+            raise ConservationError(f"training of step {step} ended, expected {self.training_step}")
+        batch = self.batches.pop(step)
+        for s in batch:
+            if s.trained_at >= 0:
+                raise ConservationError(f"sample {s.sample_id} trained twice")
+            s.trained_at = self.version
+        self.training_step = None
+        self.version += 1
+        return batch
+
+    def replay_buffer(self) -> list[Sample]:
+        """Rewarded samples not yet trained on."""
+        return [s for b in self.batches.values() for s in b if s.rewarded]
+
+    def in_flight(self) -> list[Sample]:
+        return [s for b in self.batches.values() for s in b if not s.rewarded]

@@ -1,0 +1,1 @@
+"""Inference and training engines behind two small protocols (DESIGN.md §5)."""

@@ -1,0 +1,96 @@
+"""Config of the tiny models (sizes, SFT warm-up) and where they are cached."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def fail(path: str, value: object, why: str) -> None:
+    # Imported lazily: pivot_hpc.config.schema imports this module, and importing
+    # pivot_hpc.config.loader at the top would run that package first (a cycle).
+    from pivot_hpc.config.loader import fail as _fail
+
+    _fail(path, value, why)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A Qwen2-architecture decoder. `vocab_size` is padded above the 99 char tokens so
+    it divides any small tensor-parallel size (Megatron shards the vocabulary)."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    vocab_size: int = 128
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    def validate(self, path: str) -> None:
+        if self.hidden_size % self.num_heads:
+            fail(f"{path}.hidden_size", self.hidden_size, "must be a multiple of num_heads")
+        if self.num_heads % self.num_kv_heads:
+            fail(f"{path}.num_kv_heads", self.num_kv_heads, "must divide num_heads")
+        if self.vocab_size < 99:
+            fail(f"{path}.vocab_size", self.vocab_size, "the char tokenizer needs >= 99 ids")
+        for name in ("num_layers", "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                fail(f"{path}.{name}", getattr(self, name), "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    """The Megatron SFT warm-up that gives a tiny model its starting skill."""
+
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+
+    def validate(self, path: str) -> None:
+        if self.steps < 0:
+            fail(f"{path}.steps", self.steps, "must be >= 0")
+        if self.batch_size < 1:
+            fail(f"{path}.batch_size", self.batch_size, "must be >= 1")
+        if self.lr <= 0:
+            fail(f"{path}.lr", self.lr, "learning rate must be > 0")
+
+
+@dataclass(kw_only=True)
+class TinyModelSpec:
+    """One cached model: architecture plus the warm-up that made it."""
+
+    arch: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+def _default_genrm() -> TinyModelSpec:
+    return TinyModelSpec(sft=SFTConfig(steps=300))
+
+
+@dataclass(kw_only=True)
+class ModelsConfig:
+    """The policy and the GenRM of the embedded default, created deterministically per seed."""
+
+    policy: TinyModelSpec = field(default_factory=TinyModelSpec)
+    genrm: TinyModelSpec = field(default_factory=_default_genrm)
+    seed: int = 0
+    cache_dir: Path | None = None  # None = $PIVOT_HPC_CACHE or ~/.cache/pivot_hpc
+    max_digits: int = 2  # synthetic task: operands have 1..max_digits digits
+
+
+def cache_root(cache_dir: Path | str | None = None) -> Path:
+    """Where models, tokenizers and profiles are cached."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("PIVOT_HPC_CACHE")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "pivot_hpc"

@@ -1,0 +1,106 @@
+"""Config of the training engine, GRPO, rewards and datasets."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+
+def fail(path: str, value: object, why: str) -> None:
+    # Imported lazily: pivot_hpc.config.schema imports this module, and importing
+    # pivot_hpc.config.loader at the top would run that package first (a cycle).
+    from pivot_hpc.config.loader import fail as _fail
+
+    _fail(path, value, why)
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """GRPO with a PPO-clip loss over per-token logprobs (DAPO-style token-level mean)."""
+
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.28  # DAPO's clip-higher
+    dual_clip: float = 3.0  # cap on the ratio's loss for negative advantages (0 = off)
+    kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against `ref_logprobs`
+    normalize_std: bool = True  # divide by the group's std (GRPO); False = Dr.GRPO
+    temperature: float = 1.0  # rollout temperature; training logprobs use the same
+
+    def validate(self, path: str) -> None:
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            fail(f"{path}.clip_low", (self.clip_low, self.clip_high), "need 0 <= clip_low < 1")
+        if self.dual_clip and self.dual_clip <= 1:
+            fail(f"{path}.dual_clip", self.dual_clip, "must be > 1 (or 0 to disable)")
+        if self.kl_coef < 0:
+            fail(f"{path}.kl_coef", self.kl_coef, "must be >= 0")
+        if self.temperature <= 0:
+            fail(f"{path}.temperature", self.temperature, "training needs a temperature > 0")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The Megatron training engine."""
+
+    engine: Literal["megatron"] = "megatron"
+    tp: int = 1
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = off
+    warmup_steps: int = 0
+    micro_batch_size: int = 64  # sequences per forward/backward
+    seed: int = 0
+
+    def validate(self, path: str) -> None:
+        if self.tp < 1:
+            fail(f"{path}.tp", self.tp, "must be >= 1")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            fail(f"{path}.lr", self.lr, "learning rate must be > 0")
+        if self.micro_batch_size < 1:
+            fail(f"{path}.micro_batch_size", self.micro_batch_size, "must be >= 1")
+        if self.grad_clip < 0:
+            fail(f"{path}.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """R = w_verifiable·R_verifiable + w_genrm·R_GenRM (paper §8.1: both weights 1)."""
+
+    verifiable_weight: float = 1.0
+    genrm_weight: float = 1.0
+    correct_score: float = 1.0  # DAPO: +1 correct
+    wrong_score: float = -1.0  # DAPO: -1 wrong or no answer
+    genrm_max_score: float = 10.0  # GenRM scores are 0..max, mapped to [0, 1]
+    genrm_max_tokens: int = 96  # judgements are ~60 chars on the synthetic task
+    genrm_temperature: float = 0.0  # greedy judgements
+
+    def validate(self, path: str) -> None:
+        for name in ("verifiable_weight", "genrm_weight"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                fail(f"{path}.{name}", v, "reward weights must be finite and >= 0")
+        if self.genrm_max_score <= 0:
+            fail(f"{path}.genrm_max_score", self.genrm_max_score, "must be > 0")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training / validation prompts: the synthetic task, or local DAPO/AIME-style files."""
+
+    train: Literal["synthetic"] | Path = "synthetic"
+    validation: Literal["synthetic"] | Path | None = "synthetic"
+    max_prompt_tokens: int = 2048  # longer prompts are counted as malformed and skipped
+    synthetic_seed: int = 0
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """Prompts × samples per step live in the coordinator's `loop` section."""
+
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    max_response_tokens: int = 64  # policy response limit (the paper: 15K)

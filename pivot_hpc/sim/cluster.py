@@ -1,0 +1,256 @@
+"""A discrete-event simulated cluster that speaks the coordinator's `Cluster` protocol.
+
+Replicas advance by the throughput model: with n running sequences holding tok tokens a
+decode iteration takes A·tok + max(B, C·n) + D and gives every sequence one token. Between
+membership changes n is fixed and tok grows by n per iteration, so the time for m
+iterations is m·(A·tok + max(B, C·n) + D) + A·n·m²/2 (tokens treated as continuous) and
+its inverse is a quadratic root: each replica jumps straight to its next finish. Admitting
+a sequence costs a (re-)prefill of its whole context, during which the replica does not
+decode. KV capacity is enforced by the scheduler that dispatches.
+
+Events are ordered by (time, kind, id) with lazy invalidation (a replica's pending finish
+event is dropped if its membership changed since), so a run is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pivot_hpc.coordinator.events import SequenceFinished, ShiftDone, TrainingDone, WeightsUpdated
+from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.planner.snapshot import TRAINING, role_of
+from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
+
+# event kinds, in tie-breaking order
+FINISH, SHIFT, WEIGHTS, TRAIN = 0, 1, 2, 3
+
+
+@dataclass(slots=True)
+class _Seq:
+    length0: float  # context tokens when admitted
+    generated0: float  # tokens generated before admission (kept across aborts)
+    base: float  # the replica's iteration count at admission
+    finish_at: float  # iteration count at which it completes
+
+
+@dataclass
+class _Replica:
+    """Sequences advance together: one replica-wide iteration counter, O(1) to advance."""
+
+    rid: str
+    role: str
+    costs: InferenceCosts
+    seqs: dict[int, _Seq] = field(default_factory=dict)
+    finishing: list[tuple[float, int]] = field(default_factory=list)  # lazy heap
+    iters: float = 0.0
+    tok: float = 0.0
+    t_last: float = 0.0
+    busy_until: float = 0.0  # prefill or weight load: no decoding before this
+    version: int = 0  # event stamp for lazy invalidation
+
+    def next_finish(self) -> float:
+        heap = self.finishing
+        while heap:
+            at, sid = heap[0]
+            s = self.seqs.get(sid)
+            if s is not None and s.finish_at == at:
+                return at
+            heapq.heappop(heap)
+        return math.inf
+
+    def length(self, s: _Seq) -> float:
+        return s.length0 + (self.iters - s.base)
+
+
+def _iterations(elapsed: float, a_n: float, c: float) -> float:
+    """m with c·m + a_n·m²/2 = elapsed."""
+    if elapsed <= 0:
+        return 0.0
+    if a_n <= 0:
+        return elapsed / c
+    return (-c + math.sqrt(c * c + 2.0 * a_n * elapsed)) / a_n
+
+
+class SimCluster:
+    def __init__(
+        self,
+        *,
+        inference: dict[str, InferenceCosts],
+        training: TrainingCosts,
+        target_len: dict[str, str] | None = None,
+    ) -> None:
+        self.inference = inference
+        self.training = training
+        self.t = 0.0
+        self._heap: list[tuple[float, int, str, int, object]] = []
+        self._replicas: dict[str, _Replica] = {}
+        self._progress: dict[tuple[str, int], float] = {}  # generated tokens kept by aborts
+        self._targets: dict[tuple[str, int], tuple[float, object]] = {}
+        self._tokens = {"rollout": 0.0, "reward": 0.0}
+        self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
+        self._counter = 0
+
+    # ----------------------------------------------------------- engine
+    def now(self) -> float:
+        return self.t
+
+    def _push(self, t: float, kind: int, key: str, stamp: int, payload: object) -> None:
+        heapq.heappush(self._heap, (t, kind, key, stamp, payload))
+
+    def _advance(self, r: _Replica) -> None:
+        start = max(r.t_last, r.busy_until)
+        if self.t > start and r.seqs:
+            n = len(r.seqs)
+            m = r.costs.model
+            c = m.A * r.tok + (m.B if m.B > m.C * n else m.C * n) + m.D
+            it = _iterations(self.t - start, m.A * n, c)
+            it = min(it, max(0.0, r.next_finish() - r.iters))
+            r.iters += it
+            r.tok += it * n
+            self._tokens[r.role] += it * n
+        r.t_last = self.t
+
+    def _schedule(self, r: _Replica) -> None:
+        r.version += 1
+        if not r.seqs:
+            return
+        n = len(r.seqs)
+        m = r.costs.model
+        c = m.A * r.tok + (m.B if m.B > m.C * n else m.C * n) + m.D
+        it = max(0.0, r.next_finish() - r.iters)
+        start = max(self.t, r.busy_until)
+        self._push(start + c * it + m.A * n * it * it / 2.0, FINISH, r.rid, r.version, None)
+
+    # -------------------------------------------------------- cluster API
+    def shift_up(self, rid: str, version: int) -> None:
+        if rid == TRAINING:
+            phases = dict(self.training.shift_up_s)
+        else:
+            role = role_of(rid)
+            costs = self.inference[role]
+            phases = dict(costs.shift_up_s)
+            self._replicas[rid] = _Replica(rid, role, costs, t_last=self.t)
+        self._push(self.t + sum(phases.values()), SHIFT, rid, 0, ("up", phases))
+
+    def shift_down(self, rid: str) -> None:
+        if rid == TRAINING:
+            phases = dict(self.training.shift_down_s)
+        else:
+            r = self._replicas.pop(rid)
+            if r.seqs:
+                raise RuntimeError(f"{rid} shifted down with {len(r.seqs)} running sequences")
+            r.version += 1
+            phases = dict(r.costs.shift_down_s)
+        self._push(self.t + sum(phases.values()), SHIFT, rid, 0, ("down", phases))
+
+    def start(self, rid: str, sample: Sample, role: str) -> None:
+        r = self._replicas[rid]
+        self._advance(r)
+        key = (role, sample.sample_id)
+        target = sample.payload.response_len if role == "rollout" else sample.payload.judgement_len
+        done = self._progress.pop(key, 0.0)
+        context = sample.prompt_len + (sample.response_len if role == "reward" else 0) + done
+        seq = _Seq(context, done, r.iters, r.iters + max(target - done, 1e-9))
+        r.seqs[sample.sample_id] = seq
+        heapq.heappush(r.finishing, (seq.finish_at, sample.sample_id))
+        r.tok += context
+        r.busy_until = max(r.busy_until, self.t) + self.prefill_time(role, int(context))
+        self._targets[key] = (target, sample.payload)
+        self._schedule(r)
+
+    def abort(self, rid: str, seq_id: int) -> int:
+        r = self._replicas[rid]
+        self._advance(r)
+        s = r.seqs.pop(seq_id)
+        length = r.length(s)
+        r.tok -= length
+        self._progress[(r.role, seq_id)] = s.generated0 + (r.iters - s.base)
+        self._schedule(r)
+        return round(length)
+
+    def lengths(self, role: str) -> dict[int, int]:
+        out = {}
+        for r in self._replicas.values():
+            if r.role == role:
+                self._advance(r)
+                it = r.iters
+                out.update((sid, int(s.length0 + (it - s.base) + 0.5)) for sid, s in r.seqs.items())
+        return out
+
+    def update_weights(self, rid: str, version: int) -> None:
+        r = self._replicas[rid]
+        self._advance(r)
+        r.busy_until = max(r.busy_until, self.t) + r.costs.weight_update_s
+        self._push(r.busy_until, WEIGHTS, rid, 0, version)
+        self._schedule(r)
+
+    def train(self, step: int, samples: Sequence[Sample]) -> None:
+        tokens = sum(s.prompt_len + s.response_len for s in samples)
+        duration = self.training.step_s_per_token * tokens + self.training.publish_s
+        self._push(self.t + duration, TRAIN, TRAINING, step, None)
+
+    def prefill_time(self, role: str, tokens: int) -> float:
+        return self.inference[role].prefill_s_per_token * tokens
+
+    def measured_throughput(self, role: str) -> float:
+        for r in self._replicas.values():
+            if r.role == role:
+                self._advance(r)
+        t0, tok0 = self._window[role]
+        now, tok = self.t, self._tokens[role]
+        self._window[role] = (now, tok)
+        return (tok - tok0) / (now - t0) if now > t0 else 0.0
+
+    def poll(self, until: float) -> list:
+        """Events at the next event time (≤ until); else advance the clock to `until`."""
+        heap = self._heap
+        while heap:
+            t, kind, key, stamp, payload = heap[0]
+            if kind == FINISH:
+                r = self._replicas.get(key)
+                if r is None or r.version != stamp:
+                    heapq.heappop(heap)
+                    continue
+            if t > until:
+                break
+            self.t = max(self.t, t)
+            out = []
+            while heap and heap[0][0] <= self.t:
+                t, kind, key, stamp, payload = heapq.heappop(heap)
+                ev = self._fire(kind, key, stamp, payload)
+                if ev:
+                    out.extend(ev)
+            if out:
+                return out
+        self.t = max(self.t, until)
+        return []
+
+    def _fire(self, kind: int, key: str, stamp: int, payload: object) -> list:
+        if kind == FINISH:
+            r = self._replicas.get(key)
+            if r is None or r.version != stamp:
+                return []
+            self._advance(r)
+            out = []
+            while r.next_finish() <= r.iters + 1e-6:
+                _, sid = heapq.heappop(r.finishing)
+                s = r.seqs.pop(sid)
+                length = r.length(s)
+                r.tok -= length
+                target, payload_ = self._targets.pop((r.role, sid))
+                out.append(
+                    SequenceFinished(
+                        self.t, r.role, r.rid, sid, round(length), round(target), payload_
+                    )
+                )
+            self._schedule(r)
+            return out
+        if kind == SHIFT:
+            direction, phases = payload
+            return [ShiftDone(self.t, key, direction, phases)]
+        if kind == WEIGHTS:
+            return [WeightsUpdated(self.t, key, int(payload))]
+        return [TrainingDone(self.t, stamp, {"loss": float("nan")})]

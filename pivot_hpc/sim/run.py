@@ -1,0 +1,210 @@
+"""Build and run a simulated deployment: config → catalog costs → SimCluster + Coordinator.
+
+The coordinator, schedulers and planner are the production objects; only the cluster is
+simulated. Telemetry goes to <out>/telemetry/alloc-NNN.h5 in the same schema as live runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pivot_hpc import __version__
+from pivot_hpc.config import Config, to_dict
+from pivot_hpc.config.loader import ConfigError
+from pivot_hpc.coordinator.coordinator import Coordinator
+from pivot_hpc.coordinator.modes import (
+    Colocated,
+    Disaggregated,
+    RolloutRewardColocated,
+    Shifting,
+    Split,
+)
+from pivot_hpc.coordinator.rl_state import RLState
+from pivot_hpc.planner import Topology, make_strategy
+from pivot_hpc.scheduler import BusyModel
+from pivot_hpc.sim.catalog import HARDWARE, MODELS, inference_costs, lookup, training_costs
+from pivot_hpc.sim.cluster import SimCluster
+from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
+
+
+def static_split(cfg: Config, training: list[int]) -> Split:
+    """Rollout and reward GPU ranges of the static split (disaggregated; static/rule start)."""
+    n = cfg.cluster.total_gpus
+    free = [g for g in range(n) if g not in set(training)]
+    d = cfg.deployment
+    ro_tp, rm_tp = cfg.rollout.tp, cfg.reward.tp
+    align = max(ro_tp, rm_tp)  # keep the reward range on its tp boundaries
+    if d.rollout_gpus is None and d.reward_gpus is None:
+        half = len(free) // 2
+        ro = half - half % align
+        rm = (len(free) - ro) - (len(free) - ro) % rm_tp
+    else:
+        ro = d.rollout_gpus if d.rollout_gpus is not None else 0
+        rm = d.reward_gpus if d.reward_gpus is not None else len(free) - ro
+    for key, v, tp in (("rollout_gpus", ro, ro_tp), ("reward_gpus", rm, rm_tp)):
+        if v < 0 or v % tp:
+            raise ConfigError(f"config key 'deployment.{key}' = {v}: must be a multiple of tp={tp}")
+    if ro + rm > len(free):
+        raise ConfigError(
+            f"config key 'deployment.rollout_gpus' + 'deployment.reward_gpus' = {ro + rm}: only "
+            f"{len(free)} GPUs are left after training's {len(training)}"
+        )
+    split = Split(rollout=set(free[:ro]), reward=set(free[ro : ro + rm]))
+    for role, gpus, tp in (("rollout", split.rollout, ro_tp), ("reward", split.reward, rm_tp)):
+        aligned = {g for g in gpus if all(h in gpus for h in range(g - g % tp, g - g % tp + tp))}
+        if aligned != gpus:
+            raise ConfigError(
+                f"config key 'deployment.{role}_gpus': GPUs {sorted(gpus)} do not split into "
+                f"aligned groups of tp={tp}; make rollout_gpus a multiple of {align}"
+            )
+    return split
+
+
+def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
+    hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
+    policy = lookup(MODELS, cfg.sim.policy_model, "model")
+    judge = lookup(MODELS, cfg.sim.reward_model, "model")
+    costs = {
+        "rollout": inference_costs(policy, hw, cfg.rollout.tp),
+        "reward": inference_costs(judge, hw, cfg.reward.tp),
+    }
+    mode_name = cfg.deployment.mode
+    n = cfg.cluster.total_gpus
+    training = list(range(n)) if mode_name == "colocated" else cfg.training_gpus()
+    strategy = cfg.planner.strategy if mode_name == "pivot" else None
+    vanilla = strategy == "vanilla"
+    topology = Topology.build(
+        num_gpus=n,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        tp={"rollout": cfg.rollout.tp, "reward": cfg.reward.tp},
+        kv_capacity={r: c.kv_capacity_tokens for r, c in costs.items()},
+        models={r: BusyModel() if vanilla else c.model for r, c in costs.items()},
+        training_gpus=training,
+        allowed={"rollout": cfg.rollout.gpus, "reward": cfg.reward.gpus},
+        shift_time=cfg.planner.shift_time_s,
+    )
+    if mode_name == "colocated":
+        mode = Colocated()
+    elif mode_name == "disaggregated":
+        mode = Disaggregated(static_split(cfg, training))
+    elif mode_name == "rr_colocated":
+        mode = RolloutRewardColocated({g for g in range(n) if g not in set(training)})
+    else:
+        split = static_split(cfg, training) if strategy in ("static", "rule") else None
+        mode = Shifting(make_strategy(cfg.planner), cfg.planner.interval_s, split)
+    cluster = SimCluster(
+        inference=costs,
+        training=training_costs(policy, hw, len(training), cfg.sim.training_tp),
+    )
+    rl = RLState(
+        steps=cfg.loop.steps,
+        batch_prompts=cfg.loop.batch_prompts,
+        samples_per_prompt=cfg.loop.samples_per_prompt,
+        staleness=cfg.deployment.effective_staleness(),
+        source=SimWorkload(cfg.sim.workload, cfg.sim.seed),
+    )
+    coord = Coordinator(
+        cluster=cluster,
+        topology=topology,
+        rl=rl,
+        mode=mode,
+        capacity={r: c.kv_capacity_tokens for r, c in costs.items()},
+        rewarder=sim_rewarder,
+        tick_s=cfg.loop.monitor_interval_s,
+        priority=cfg.scheduler.priority,
+        migration=cfg.scheduler.migration and not vanilla,
+    )
+    meta = {
+        "mode": mode_name,
+        "strategy": strategy or "",
+        "seed": cfg.sim.seed,
+        "gpus": n,
+        "simulated": True,
+        "horizon_s": cfg.planner.horizon_s,
+        "hardware": hw.name,
+        "policy_model": policy.name,
+        "reward_model": judge.name,
+        "staleness": rl.staleness,
+        "config": json.dumps(to_dict(cfg)),
+        "pivot_hpc_version": __version__,
+    }
+    return coord, cluster, meta
+
+
+def scale_to(cfg: Config, gpus: int) -> Config:
+    """The same deployment on `gpus` GPUs: allocations and batch scale proportionally."""
+    total = cfg.cluster.total_gpus
+    if gpus == total:
+        return cfg
+    per_node = cfg.cluster.gpus_per_node
+    if gpus % per_node:
+        raise ConfigError(f"--gpus {gpus}: must be a multiple of cluster.gpus_per_node={per_node}")
+    f = gpus / total
+
+    def scaled(v: int | None, unit: int = 1) -> int | None:
+        return None if v is None else max(unit, round(v * f / unit) * unit)
+
+    d = cfg.deployment
+    return dataclasses.replace(
+        cfg,
+        cluster=dataclasses.replace(cfg.cluster, nodes=gpus // per_node),
+        training=dataclasses.replace(
+            cfg.training, gpus=None, num_gpus=scaled(len(cfg.training_gpus()))
+        ),
+        deployment=dataclasses.replace(
+            d,
+            rollout_gpus=scaled(d.rollout_gpus, cfg.rollout.tp),
+            reward_gpus=scaled(d.reward_gpus, cfg.reward.tp),
+        ),
+        loop=dataclasses.replace(cfg.loop, batch_prompts=scaled(cfg.loop.batch_prompts)),
+    )
+
+
+def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> dict[str, Any]:
+    """Run the simulation to completion; write telemetry under `out`; return a summary."""
+    coord, cluster, meta = build(cfg)
+    writer = None
+    if out is not None:
+        from pivot_hpc.telemetry import TelemetryWriter
+
+        writer = TelemetryWriter(out, meta=meta)
+        coord.telemetry = writer
+    step_rows: list[tuple[int, float, float, int]] = []
+    coord.on_step = lambda step, m: step_rows.append((step, m["t"], m["reward"], 0))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.loop.steps, desc=f"simulate {meta['mode']}", unit="step")
+    wall = time.perf_counter()
+    try:
+        coord.run(progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+        if writer:
+            writer.close()
+    wall = time.perf_counter() - wall
+    logs = coord.stats
+    tokens = coord.tokens_total
+    span = coord.last_step_end - coord.first_step_start
+    return {
+        "mode": meta["mode"],
+        "strategy": meta["strategy"],
+        "gpus": meta["gpus"],
+        "steps": cfg.loop.steps,
+        "sim_time_s": round(cluster.now(), 3),
+        "tokens": int(tokens),
+        "tokens_per_s": tokens / span if span > 0 else 0.0,
+        "shifts": logs.shifts_up,
+        "plans": logs.plans,
+        "migrated_sequences": logs.migrated,
+        "staleness_max": max(logs.staleness, default=0),
+        "reward_mean_first": logs.rewards[0] if logs.rewards else None,
+        "reward_mean_last": logs.rewards[-1] if logs.rewards else None,
+        "wall_s": round(wall, 3),
+    }

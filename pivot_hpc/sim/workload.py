@@ -1,0 +1,65 @@
+"""Simulated samples: prompt, response and GenRM judgement lengths, and synthetic rewards.
+
+Lengths are long-tailed (log-normal, capped at the paper's 15K policy / 20K GenRM tokens;
+prompts up to 2K, §8.1). Rewards are synthetic (the simulator has no model): a sample is
+correct with probability p(step) = p0 + (p1 − p0)·(1 − e^(−step/τ)), the GenRM score
+agrees with correctness 80 % of the time — enough for reward curves in the traces; the
+simulator's purpose is throughput, not learning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.sim.config import WorkloadConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SimPayload:
+    response_len: int
+    judgement_len: int
+    correct: bool
+    genrm_score: float
+
+
+class SimWorkload:
+    """A `SampleSource`: deterministic for (seed, sample id) whatever the release order."""
+
+    def __init__(self, cfg: WorkloadConfig, seed: int) -> None:
+        self.cfg = cfg
+        self.seed = seed
+
+    def _lognormal(self, rng: np.random.Generator, median: float, sigma: float, cap: int) -> int:
+        return int(min(cap, max(1, round(rng.lognormal(math.log(median), sigma)))))
+
+    def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample:
+        c = self.cfg
+        prompt_rng = np.random.default_rng((self.seed, 0, prompt_index))
+        prompt_len = int(prompt_rng.integers(c.prompt_len_min, c.prompt_len_max + 1))
+        difficulty = prompt_rng.uniform(-1.0, 1.0)
+        rng = np.random.default_rng((self.seed, 1, sample_id))
+        p = c.accuracy_start + (c.accuracy_end - c.accuracy_start) * (
+            1.0 - math.exp(-step / c.accuracy_steps)
+        )
+        p = min(1.0, max(0.0, p + 0.2 * difficulty))
+        correct = bool(rng.random() < p)
+        agree = rng.random() < 0.8
+        payload = SimPayload(
+            response_len=self._lognormal(rng, c.response_median, c.response_sigma, c.response_cap),
+            judgement_len=self._lognormal(
+                rng, c.judgement_median, c.judgement_sigma, c.judgement_cap
+            ),
+            correct=correct,
+            genrm_score=float(correct == agree),
+        )
+        return Sample(sample_id, step, prompt_index, group, prompt_len, payload)
+
+
+def sim_rewarder(sample: Sample, result: object) -> tuple[float, float]:
+    """R = R_verifiable + R_GenRM (§8.1) from the synthetic outcome in the payload."""
+    payload: SimPayload = sample.payload
+    return float(payload.correct), payload.genrm_score
