@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from pivot_hpc import __version__
 from pivot_hpc.errors import PivotError
+
+OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pivot_hpc.cli.bench", "benchmarks of pivot_hpc's own parts (JSON with --json)"),
@@ -42,8 +45,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     only = argv[0] if argv and argv[0] in COMMANDS else None
-    args = build_parser(only).parse_args(argv)
+    parser = build_parser(only)
+    # Dotted overrides (`planner.horizon_s=120`) may stand anywhere after the command.
+    args, extra = parser.parse_known_args(argv)
     mod = importlib.import_module(args._module)
+    if extra:
+        bad = [a for a in extra if not OVERRIDE.match(a)]
+        if bad or not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
+        args.overrides = list(args.overrides or []) + extra
     try:
         return int(mod.run(args) or 0)
     except PivotError as exc:

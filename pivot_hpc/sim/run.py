@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pivot_hpc import __version__
 from pivot_hpc.config import Config, to_dict
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator.coordinator import Coordinator
@@ -130,7 +129,6 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
         "reward_model": judge.name,
         "staleness": rl.staleness,
         "config": json.dumps(to_dict(cfg)),
-        "pivot_hpc_version": __version__,
     }
     return coord, cluster, meta
 
@@ -157,7 +155,7 @@ def scale_to(cfg: Config, gpus: int) -> Config:
         ),
         deployment=dataclasses.replace(
             d,
-            rollout_gpus=scaled(d.rollout_gpus, cfg.rollout.tp),
+            rollout_gpus=scaled(d.rollout_gpus, max(cfg.rollout.tp, cfg.reward.tp)),
             reward_gpus=scaled(d.reward_gpus, cfg.reward.tp),
         ),
         loop=dataclasses.replace(cfg.loop, batch_prompts=scaled(cfg.loop.batch_prompts)),

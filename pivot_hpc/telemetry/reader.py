@@ -1,0 +1,186 @@
+"""open_run: all telemetry files of a run directory, concatenated in allocation order."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from pivot_hpc.telemetry.errors import TelemetryError
+from pivot_hpc.telemetry.schema import DATASETS, DTYPES, SCHEMA_VERSION, decoded_dtype
+from pivot_hpc.telemetry.writer import alloc_files
+
+DECODED: dict[str, np.dtype] = {name: decoded_dtype(dt) for name, dt in DTYPES.items()}
+
+
+@dataclass
+class Run:
+    """A run's telemetry. `datasets[name]` is a numpy structured array (string fields as str),
+    the rows of every file in order; `row_file[name][i]` is the index into `files` of row i."""
+
+    path: Path
+    files: list[Path]
+    meta: dict[str, Any]  # root attributes of the first file, plus "files": per-file attrs
+    file_meta: list[dict[str, Any]]
+    datasets: dict[str, np.ndarray]
+    row_file: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.datasets[name]
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        """Root attribute `key` of the first file; `default` if absent or empty."""
+        value = self.meta.get(key, default)
+        return default if value == "" else value
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run config from the `config` attribute (JSON text or decoded), {} if absent."""
+        cfg = self.attr("config")
+        if isinstance(cfg, str):
+            try:
+                cfg = json.loads(cfg)
+            except ValueError:
+                return {}
+        return cfg if isinstance(cfg, dict) else {}
+
+    @property
+    def mode(self) -> str:
+        return str(self.attr("mode", "unknown"))
+
+    @property
+    def label(self) -> str:
+        """Display name: the `label` attribute, else mode (+ strategy when it differs)."""
+        label = self.attr("label")
+        if label:
+            return str(label)
+        strategy = self.attr("strategy")
+        if strategy and str(strategy) != self.mode:
+            return f"{self.mode}/{strategy}"
+        return self.mode
+
+    @property
+    def end_time(self) -> float:
+        """Latest time in any dataset (0.0 for an empty run)."""
+        ends = [0.0]
+        for name, arr in self.datasets.items():
+            if len(arr) == 0:
+                continue
+            ends.append(float(arr["end"].max() if name == "steps" else arr["t"].max()))
+        return max(ends)
+
+    def role(self, role: str) -> np.ndarray:
+        """Throughput rows of one role, sorted by time."""
+        tp = self.datasets["throughput"]
+        rows = tp[tp["role"] == role]
+        return rows[np.argsort(rows["t"], kind="stable")]
+
+
+def find_files(run_dir: str | Path) -> list[Path]:
+    """Telemetry files of a run: DIR/telemetry/alloc-*.h5, DIR/alloc-*.h5, or DIR itself
+    when it is one .h5 file. Raises TelemetryError when there are none."""
+    p = Path(run_dir)
+    if p.is_file():
+        return [p]
+    if not p.exists():
+        raise TelemetryError(f"run directory {p} does not exist")
+    for d in (p / "telemetry", p):
+        files = [f for _, f in alloc_files(d)]
+        if files:
+            return files
+    raise TelemetryError(
+        f"{p}: no telemetry files (expected {p}/telemetry/alloc-NNN.h5); "
+        "is this a pivot_hpc run directory?"
+    )
+
+
+def _open(path: Path) -> h5py.File:
+    # swmr=True also opens files whose writer was killed (their "open for write" flag is
+    # still set); files written without libver="latest" need the plain open.
+    try:
+        return h5py.File(path, "r", swmr=True)
+    except OSError as swmr_exc:
+        try:
+            return h5py.File(path, "r")
+        except OSError:
+            raise TelemetryError(
+                f"{path}: cannot open telemetry file ({swmr_exc}); it may be truncated or not HDF5"
+            ) from swmr_exc
+
+
+def _attr_value(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def read_attrs(f: h5py.File) -> dict[str, Any]:
+    attrs = {k: _attr_value(v) for k, v in f.attrs.items()}
+    for key in json.loads(attrs.get("json_keys", "[]") or "[]"):
+        if isinstance(attrs.get(key), str):
+            attrs[key] = json.loads(attrs[key])
+    return attrs
+
+
+def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    with _open(path) as f:
+        attrs = read_attrs(f)
+        version = attrs.get("schema_version")
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise TelemetryError(
+                f"{path}: telemetry schema_version {version!r} is not readable by this "
+                f"pivot_hpc (reads <= {SCHEMA_VERSION}); upgrade pivot_hpc"
+            )
+        data = {}
+        for name in DATASETS:
+            if name not in f:
+                raise TelemetryError(f"{path}: dataset {name!r} is missing")
+            raw = f[name][...]
+            missing = set(DTYPES[name].names or ()) - set(raw.dtype.names or ())
+            if missing:
+                raise TelemetryError(f"{path}: dataset {name!r} lacks fields {sorted(missing)}")
+            data[name] = raw[list(DTYPES[name].names or ())].astype(DECODED[name])
+    return attrs, data
+
+
+def open_run(run_dir: str | Path) -> Run:
+    """Read every telemetry file of `run_dir` (see find_files) and concatenate each dataset.
+
+    Times are returned as written (a resumed allocation's writer offsets its own).
+    """
+    files = find_files(run_dir)
+    file_meta: list[dict[str, Any]] = []
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in DATASETS}
+    for path in files:
+        attrs, data = _read_file(path)
+        file_meta.append(attrs)
+        for name in DATASETS:
+            parts[name].append(data[name])
+    datasets = {name: np.concatenate(parts[name]) for name in DATASETS}
+    row_file = {
+        name: np.concatenate(
+            [np.full(len(a), i, dtype=np.int32) for i, a in enumerate(parts[name])]
+        )
+        for name in DATASETS
+    }
+    meta = dict(file_meta[0])
+    meta["files"] = file_meta
+    return Run(Path(run_dir), files, meta, file_meta, datasets, row_file)
+
+
+def last_time(run_dir: str | Path) -> float:
+    """Latest time written in `run_dir` so far (0.0 if it has no telemetry yet): the
+    `time_offset` a resumed allocation's TelemetryWriter continues from."""
+    try:
+        find_files(run_dir)
+    except TelemetryError:  # no telemetry yet: a fresh run
+        return 0.0
+    return open_run(run_dir).end_time  # unreadable files raise: never restart times at 0

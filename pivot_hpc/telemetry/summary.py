@@ -1,0 +1,230 @@
+"""Metrics over a run's telemetry, shared by `pivot-hpc report` and the analysis scripts.
+
+Definitions (also in analysis/README.md):
+- end-to-end throughput (paper §8.1): Σ over `steps` rows of (rollout_tokens + reward_tokens)
+  ÷ (last step end − first step start). Training tokens are not added: they are the same
+  tokens the rollout generated, trained on. A step logged twice (redone after a resume from
+  an older checkpoint) counts once, with its last row.
+- utilisation of a role: GPU-seconds it held ÷ all GPU-seconds, with the `allocation` series
+  read as piecewise constant (a row holds until the next; the last until the run's end time).
+- shifts: `shifts` rows of kind "up" (one per replica joining a role); per step = ÷ steps.
+- Eq. 1 overall throughput: (N_ro + N_rm) / (N_ro/T_ro + N_rm/T_rm), N = n_seq (running +
+  queued), T = tokens_per_s; a role without work adds no latency, a role with work and
+  T = 0 makes it 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from pivot_hpc.telemetry.reader import Run
+
+ALLOC_ROLES = ("rollout", "reward", "training", "idle", "transition")
+PLANNER_PHASES = ("preprocess", "construct", "simulate", "total")
+MIGRATION_PHASES = ("abort", "dispatch", "reprefill", "total")
+
+
+def completed_steps(steps: np.ndarray) -> np.ndarray:
+    """One row per step number, the last one logged, by step. A step logged twice was
+    redone after a resume from an older checkpoint: its first tokens were thrown away
+    (their time still counts in the run's duration)."""
+    if len(steps) == 0:
+        return steps
+    # np.unique sorts the step numbers; on the reversed rows it finds each one's last row.
+    last = len(steps) - 1 - np.unique(steps["step"][::-1], return_index=True)[1]
+    return steps[last]
+
+
+def end_to_end(steps: np.ndarray) -> dict[str, float]:
+    """Tokens, duration and end-to-end tokens/s over the completed steps."""
+    if len(steps) == 0:
+        return {"tokens": 0, "duration_s": 0.0, "tokens_per_s": 0.0}
+    tokens = int(steps["rollout_tokens"].sum() + steps["reward_tokens"].sum())
+    duration = float(steps["end"].max() - steps["start"].min())
+    return {
+        "tokens": tokens,
+        "duration_s": duration,
+        "tokens_per_s": tokens / duration if duration > 0 else 0.0,
+    }
+
+
+def utilisation(alloc: np.ndarray, end_time: float) -> dict[str, float]:
+    """Fraction of GPU-seconds each role held (keys ALLOC_ROLES) plus "gpu_seconds"."""
+    out = dict.fromkeys(ALLOC_ROLES, 0.0)
+    out["gpu_seconds"] = 0.0
+    if len(alloc) == 0:
+        return out
+    a = alloc[np.argsort(alloc["t"], kind="stable")]
+    t = a["t"]
+    dt = np.diff(np.append(t, max(end_time, float(t[-1]))))
+    held = {r: float((a[f"{r}_gpus"] * dt).sum()) for r in ALLOC_ROLES}
+    total = sum(held.values())
+    out["gpu_seconds"] = total
+    if total > 0:
+        for r in ALLOC_ROLES:
+            out[r] = held[r] / total
+    return out
+
+
+def eq1(n_ro: np.ndarray, t_ro: np.ndarray, n_rm: np.ndarray, t_rm: np.ndarray) -> np.ndarray:
+    """Eq. 1 overall throughput, elementwise (same rules as planner.plan.overall_throughput)."""
+    n_ro, t_ro, n_rm, t_rm = (np.asarray(x, dtype=np.float64) for x in (n_ro, t_ro, n_rm, t_rm))
+    total = n_ro + n_rm
+    starved = ((n_ro > 0) & (t_ro <= 0)) | ((n_rm > 0) & (t_rm <= 0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        latency = np.where(n_ro > 0, n_ro / t_ro, 0.0) + np.where(n_rm > 0, n_rm / t_rm, 0.0)
+        out = np.where((total > 0) & ~starved & (latency > 0), total / latency, 0.0)
+    return out
+
+
+def role_timeline(run: Run, value: str = "tokens_per_s") -> dict[str, np.ndarray]:
+    """Rollout and reward series on the union of their sample times, each forward-filled
+    (0 before a role's first sample): keys t, rollout, reward, rollout_n, reward_n, overall."""
+    ro, rm = run.role("rollout"), run.role("reward")
+    grid = np.unique(np.concatenate([ro["t"], rm["t"]]))
+    out: dict[str, np.ndarray] = {"t": grid}
+    for name, rows in (("rollout", ro), ("reward", rm)):
+        idx = np.searchsorted(rows["t"], grid, side="right") - 1
+        ok = idx >= 0
+        safe = np.clip(idx, 0, None)
+        if len(rows):
+            out[name] = np.where(ok, rows[value][safe], 0.0).astype(np.float64)
+            out[f"{name}_n"] = np.where(ok, rows["n_seq"][safe], 0).astype(np.float64)
+        else:
+            out[name] = np.zeros(len(grid))
+            out[f"{name}_n"] = np.zeros(len(grid))
+    out["overall"] = eq1(out["rollout_n"], out["rollout"], out["reward_n"], out["reward"])
+    return out
+
+
+def _stats(x: np.ndarray) -> dict[str, float]:
+    if len(x) == 0:
+        nan = math.nan
+        return {"mean": nan, "std": nan, "median": nan, "p90": nan, "max": nan}
+    return {
+        "mean": float(x.mean()),
+        "std": float(x.std()),
+        "median": float(np.median(x)),
+        "p90": float(np.percentile(x, 90)),
+        "max": float(x.max()),
+    }
+
+
+def planner_stats(planner: np.ndarray) -> dict[str, dict[str, float]]:
+    """mean/std/median/p90/max seconds of each planner phase and of their total."""
+    cols = {p: planner[f"{p}_s"].astype(np.float64) for p in PLANNER_PHASES[:-1]}
+    cols["total"] = sum(cols.values(), np.zeros(len(planner)))
+    return {p: _stats(cols[p]) for p in PLANNER_PHASES}
+
+
+def migration_stats(migrations: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per-sequence migration phase seconds (Table 3), each event weighted by its
+    sequence count; events that moved no sequence are left out."""
+    m = migrations[migrations["sequences"] > 0]
+    w = m["sequences"].astype(np.float64)
+    out: dict[str, dict[str, float]] = {}
+    total = np.zeros(len(m))
+    for p in MIGRATION_PHASES[:-1]:
+        x = m[f"{p}_s"].astype(np.float64)
+        total = total + x
+        out[p] = _weighted(x, w)
+    out["total"] = _weighted(total, w)
+    return out
+
+
+def _weighted(x: np.ndarray, w: np.ndarray) -> dict[str, float]:
+    if len(x) == 0 or w.sum() <= 0:
+        return {"mean": math.nan, "std": math.nan}
+    mean = float(np.average(x, weights=w))
+    return {"mean": mean, "std": float(math.sqrt(np.average((x - mean) ** 2, weights=w)))}
+
+
+def shift_counts(shifts: np.ndarray, steps: int) -> dict[str, Any]:
+    up = shifts[shifts["kind"] == "up"]
+    return {
+        "shifts": len(up),
+        "shifts_down": int((shifts["kind"] == "down").sum()),
+        "shift_plans": len(np.unique(shifts["plan_id"][shifts["plan_id"] > 0])),
+        "shifts_per_step": len(up) / steps if steps else 0.0,
+        "shift_up_s_mean": float(up["total_s"].mean()) if len(up) else math.nan,
+    }
+
+
+def summarise(run: Run) -> dict[str, Any]:
+    """The report as one JSON-able dict. Contract keys: mode, steps, tokens_per_s, shifts,
+    reward_mean_first, reward_mean_last."""
+    steps = completed_steps(run["steps"])
+    e2e = end_to_end(steps)
+    util = utilisation(run["allocation"], run.end_time)
+    plan = planner_stats(run["planner"])
+    mig = migration_stats(run["migrations"])
+    out: dict[str, Any] = {
+        "run_dir": str(run.path),
+        "files": len(run.files),
+        "mode": run.mode,
+        "strategy": run.attr("strategy"),
+        "label": run.label,
+        "gpus": run.attr("gpus"),
+        "horizon_s": run.attr("horizon_s"),
+        "simulated": run.attr("simulated"),
+        "steps": len(steps),
+        "tokens": e2e["tokens"],
+        "train_tokens": int(steps["train_tokens"].sum()) if len(steps) else 0,
+        "duration_s": e2e["duration_s"],
+        "tokens_per_s": e2e["tokens_per_s"],
+        "end_time_s": run.end_time,
+        "reward_mean_first": float(steps["reward_mean"][0]) if len(steps) else None,
+        "reward_mean_last": float(steps["reward_mean"][-1]) if len(steps) else None,
+        "staleness_max": int(steps["staleness_max"].max()) if len(steps) else None,
+        "utilisation": {r: util[r] for r in ALLOC_ROLES},
+        "gpu_seconds": util["gpu_seconds"],
+        **shift_counts(run["shifts"], len(steps)),
+        "planner_calls": len(run["planner"]),
+        "planner_total_median_s": plan["total"]["median"],
+        "planner_total_p90_s": plan["total"]["p90"],
+        "planner": {p: {"mean": s["mean"], "std": s["std"]} for p, s in plan.items()},
+        "migration_events": len(run["migrations"]),
+        "migration_sequences": int(run["migrations"]["sequences"].sum()),
+        "migration_per_seq": mig,
+    }
+    return _json_safe(out)
+
+
+def _json_safe(x: Any) -> Any:
+    """NaN/inf → None so that `json.dumps` output is strict JSON."""
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _num(x: Any, fmt: str = "{:.3g}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The human-readable report."""
+    u = s["utilisation"]
+    lines = [
+        f"run        {s['run_dir']}  ({s['files']} allocation file(s))",
+        f"mode       {s['label']}   gpus={_num(s['gpus'], '{}')}   "
+        f"H={_num(s['horizon_s'], '{:g}')}s   simulated={s['simulated']}",
+        f"steps      {s['steps']}   duration {s['duration_s']:.1f} s",
+        f"throughput {s['tokens_per_s']:.1f} tokens/s end to end "
+        f"({s['tokens']} rollout+reward tokens)",
+        f"reward     first step {_num(s['reward_mean_first'], '{:.4f}')}   "
+        f"last step {_num(s['reward_mean_last'], '{:.4f}')}",
+        "GPU time   " + "   ".join(f"{r} {100 * u[r]:.1f}%" for r in ALLOC_ROLES),
+        f"shifts     {s['shifts']} up / {s['shifts_down']} down in {s['shift_plans']} plan(s)"
+        f"   {s['shifts_per_step']:.2f} up-shifts per step",
+        f"planner    {s['planner_calls']} decisions   total median "
+        f"{_num(s['planner_total_median_s'], '{:.3f}')} s   p90 "
+        f"{_num(s['planner_total_p90_s'], '{:.3f}')} s",
+        f"migration  {s['migration_events']} events, {s['migration_sequences']} sequences, "
+        f"{_num(s['migration_per_seq']['total']['mean'], '{:.3f}')} s per sequence",
+    ]
+    return "\n".join(lines)

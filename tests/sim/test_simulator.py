@@ -1,0 +1,218 @@
+"""The coordinator driven by the discrete-event simulated cluster (DESIGN.md §8)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pivot_hpc.config import load_config
+from pivot_hpc.coordinator.events import SequenceFinished
+from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.scheduler import ThroughputModel
+from pivot_hpc.sim.catalog import HARDWARE, MODELS, InferenceCosts, TrainingCosts, inference_costs
+from pivot_hpc.sim.cluster import SimCluster
+from pivot_hpc.sim.run import build, simulate
+from pivot_hpc.sim.workload import SimPayload
+from pivot_hpc.telemetry import open_run
+
+TINY = [
+    "cluster.nodes=2",
+    "cluster.gpus_per_node=8",
+    "rollout.tp=1",
+    "training.num_gpus=4",
+    "loop.steps=3",
+    "loop.batch_prompts=12",
+    "loop.samples_per_prompt=4",
+    "loop.monitor_interval_s=2.0",
+    "planner.interval_s=2.0",
+    "sim.policy_model=qwen2.5-1.5b",
+    "sim.reward_model=glm-z1-9b",
+    "reward.tp=1",
+]
+
+
+def tiny(mode: str, *extra: str):
+    return load_config(None, [*TINY, f"deployment.mode={mode}", *extra])
+
+
+MODES = [
+    ("colocated", "pivot"),
+    ("disaggregated", "pivot"),
+    ("rr_colocated", "pivot"),
+    ("pivot", "pivot"),
+    ("pivot", "static"),
+    ("pivot", "rule"),
+    ("pivot", "vanilla"),
+]
+
+
+@pytest.mark.parametrize(("mode", "strategy"), MODES)
+def test_every_mode_completes_with_conservation(mode: str, strategy: str) -> None:
+    cfg = tiny(mode, f"planner.strategy={strategy}")
+    coord, _cluster, _ = build(cfg)
+    trained: list[int] = []
+    coord.on_step = lambda step, m: trained.append(step)
+    coord.run()
+    rl = coord.rl
+    assert rl.version == 3 and trained == [0, 1, 2]
+    # Every sample rolled out, rewarded and trained exactly once (RLState raises on a
+    # second time); nothing is left in flight or in a queue.
+    assert rl.released == 3 and not rl.batches and not coord.samples
+    assert rl.next_sample_id == 3 * 12 * 4
+    for role in ("rollout", "reward"):
+        assert coord.schedulers[role].n_seq == 0
+        coord.schedulers[role].check_invariants()
+    bound = 0 if mode == "colocated" else 2
+    assert max(coord.stats.staleness) <= bound
+    if mode == "pivot":
+        assert coord.stats.plans > 0
+    if mode == "pivot" and strategy == "pivot":
+        assert coord.stats.shifts_up > 0
+
+
+def test_deterministic_for_a_seed() -> None:
+    a = simulate(tiny("pivot"), None, progress=False)
+    b = simulate(tiny("pivot"), None, progress=False)
+    for s in (a, b):
+        s.pop("wall_s")
+    assert a == b
+    c = simulate(tiny("pivot", "sim.seed=7"), None, progress=False)
+    assert c["tokens"] != a["tokens"]
+
+
+def test_migrations_keep_generated_tokens() -> None:
+    """A sequence aborted by a shift resumes with its tokens: generated totals match."""
+    coord, _cluster, _ = build(tiny("pivot"))
+    seen: dict[tuple[str, int], int] = {}
+    orig = coord.handle
+
+    def spy(ev):
+        if isinstance(ev, SequenceFinished):
+            target = ev.result.response_len if ev.role == "rollout" else ev.result.judgement_len
+            assert ev.generated == target  # neither lost nor repeated across aborts
+            assert (ev.role, ev.seq_id) not in seen
+            seen[(ev.role, ev.seq_id)] = ev.generated
+        orig(ev)
+
+    coord.handle = spy
+    coord.run()
+    assert coord.stats.migrated > 0
+    assert len(seen) == 2 * 3 * 12 * 4
+
+
+def test_replica_advances_by_the_throughput_model() -> None:
+    """One replica, constant step time L: a sequence needing k tokens ends at prefill + k·L."""
+    L = 0.01
+    costs = InferenceCosts(
+        model=ThroughputModel(A=0.0, B=L, C=0.0, D=0.0),
+        kv_capacity_tokens=10**6,
+        prefill_s_per_token=1e-4,
+        shift_up_s={"read_s": 1.0},
+        shift_down_s={"discard_s": 0.5},
+        weight_update_s=0.2,
+    )
+    train = TrainingCosts(
+        gpus=1, step_s_per_token=0.0, shift_up_s={}, shift_down_s={}, publish_s=0.0
+    )
+    sim = SimCluster(inference={"rollout": costs, "reward": costs}, training=train)
+    sim.shift_up("rollout:0", 0)
+    (up,) = sim.poll(10.0)
+    assert up.kind == "up" and up.t == pytest.approx(1.0)
+    payload = SimPayload(response_len=50, judgement_len=1, correct=True, genrm_score=1.0)
+    sim.start("rollout:0", Sample(1, 0, 0, 0, prompt_len=100, payload=payload), "rollout")
+    sim.start(
+        "rollout:0",
+        Sample(2, 0, 0, 1, prompt_len=100, payload=SimPayload(20, 1, True, 1.0)),
+        "rollout",
+    )
+    (first,) = sim.poll(100.0)
+    # two prefills of 100 tokens (0.01 s each), then 20 iterations of L
+    assert first.seq_id == 2 and first.t == pytest.approx(1.0 + 0.02 + 20 * L)
+    assert sim.abort("rollout:0", 1) == 100 + 20  # kept 20 generated tokens
+    sim.start("rollout:0", Sample(1, 0, 0, 0, prompt_len=100, payload=payload), "rollout")
+    (second,) = sim.poll(100.0)
+    # re-prefill of 120 tokens, then the 30 tokens it still needed
+    assert second.seq_id == 1 and second.generated == 50 and second.length == 150
+    assert second.t == pytest.approx(first.t + 0.012 + 30 * L)
+
+
+def test_catalog_from_first_principles() -> None:
+    q7 = MODELS["qwen2.5-7b"]
+    assert q7.params == pytest.approx(7.62e9, rel=0.01)
+    moe = MODELS["qwen3-30b-a3b"]
+    assert moe.params == pytest.approx(30.5e9, rel=0.02)
+    assert moe.active_params == pytest.approx(3.3e9, rel=0.03)
+    c = inference_costs(q7, HARDWARE["h20"], 1)
+    assert c.model.B == pytest.approx(q7.params * 2 / (4.0e12 * 0.8))
+    assert 5e5 < c.kv_capacity_tokens < 2e6
+    with pytest.raises(Exception, match="does not fit"):
+        inference_costs(MODELS["qwen2.5-72b"], HARDWARE["h20"], 1)
+
+
+def test_colocated_never_overlaps_stages_and_telemetry_is_complete(tmp_path: Path) -> None:
+    simulate(tiny("colocated"), tmp_path, progress=False)
+    run = open_run(tmp_path)
+    alloc = run["allocation"]
+    busy = np.stack([alloc["rollout_gpus"], alloc["reward_gpus"], alloc["training_gpus"]])
+    assert ((busy > 0).sum(axis=0) <= 1).all(), "two stages held GPUs at once"
+    for name in ("throughput", "allocation", "shifts", "planner", "migrations", "steps"):
+        assert name in run.datasets
+    steps = run["steps"]
+    assert list(steps["step"]) == [0, 1, 2]
+    assert (steps["staleness_max"] == 0).all()
+    assert run.attr("mode") == "colocated"
+
+
+def test_simulate_cli_json_and_report(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pivot_hpc",
+            "simulate",
+            "configs/sim/group1-qwen1.5b-glm9b.yaml",
+            "--mode",
+            "pivot",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--json",
+            "loop.batch_prompts=8",
+            "--gpus",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["gpus"] == 16 and summary["steps"] == 2 and summary["tokens_per_s"] > 0
+    rep = subprocess.run(
+        [sys.executable, "-m", "pivot_hpc", "report", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rep.returncode == 0, rep.stderr
+    data = json.loads(rep.stdout)
+    assert data["mode"] == "pivot" and data["steps"] == 2
+    assert data["tokens_per_s"] == pytest.approx(summary["tokens_per_s"], rel=1e-6)
+    for key in ("shifts", "reward_mean_first", "reward_mean_last"):
+        assert key in data
+
+
+def test_bad_split_is_a_clear_error() -> None:
+    from pivot_hpc.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout_gpus"):
+        build(tiny("disaggregated", "deployment.rollout_gpus=10", "deployment.reward_gpus=4"))
+    with pytest.raises(ConfigError, match="colocated runs synchronously"):
+        tiny("colocated", "deployment.staleness=2")
