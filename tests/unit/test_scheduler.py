@@ -128,6 +128,10 @@ def test_errors_name_the_problem() -> None:
         s.add_replica("rollout:0", 10, MODEL)
     with pytest.raises(SchedulerError, match="priority"):
         Scheduler("x", priority="random")
+    with pytest.raises(SchedulerError, match="KV capacity -5 < 0"):
+        s.add_replica("rollout:7", -5, MODEL)
+    with pytest.raises(SchedulerError, match="negative length"):
+        s.submit(SeqState(99, -1))
 
 
 def test_clone_is_independent() -> None:
