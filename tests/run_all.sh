@@ -6,12 +6,19 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 
+# MPI for GPS (shared windows, RMA): system OpenMPI, then mpi4py builds/links against it.
+if ! command -v mpirun >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+fi
+
 # torch first, pinned: on CPU machines 2.13.0 is the local CPU build; anything else
 # would pull a multi-GB CUDA build (PLATFORM.md).
 if ! "$PY" -c 'import torch' 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e '.[test]'
+# NIXL (GPS remote transport; tests skip it only if it cannot be imported)
+"$PY" -c 'import nixl' 2>/dev/null || "$PY" -m pip install -q -e '.[nixl]'
 
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .

@@ -12,6 +12,7 @@ from typing import Literal
 from pivot_hpc.config.loader import ConfigError, fail
 from pivot_hpc.coordinator.config import DeploymentConfig, LoopConfig
 from pivot_hpc.engines.config import EnginesConfig
+from pivot_hpc.gps.config import GPSConfig
 from pivot_hpc.models.config import ModelsConfig
 from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.sim.config import SimConfig
@@ -155,6 +156,7 @@ class Config:
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    gps: GPSConfig = field(default_factory=GPSConfig)  # Global Parameter Storage (§5.1)
 
     def validate(self, path: str) -> None:
         n = self.cluster.total_gpus

@@ -185,20 +185,14 @@ class Coordinator:
         self.stall_s = 3600.0  # no event for this long while work remains: a bug, not a wait
 
     # ------------------------------------------------------------- loop
-    def run(
-        self, max_time: float | None = None, progress: Callable[[int], None] | None = None
-    ) -> None:
+    def run(self, progress: Callable[[int], None] | None = None) -> None:
+        """Drive the cluster until the configured number of RL steps is trained."""
         self.mode.start(self)
         self.release()
         self.mode.on_change(self)
         next_tick = self.cluster.now()
         last_event = next_tick
         while not self.rl.done:
-            if max_time is not None and self.cluster.now() > max_time:
-                raise TimeoutError(
-                    f"run did not finish {self.rl.steps} steps within {max_time} s "
-                    f"(reached version {self.rl.version})"
-                )
             events = self.cluster.poll(until=next_tick)
             before = self.rl.version
             for ev in events:

@@ -205,7 +205,9 @@ def inference_costs(model: ModelSpec, hw: Hardware, tp: int) -> InferenceCosts:
 @dataclass(frozen=True)
 class TrainingCosts:
     gpus: int
-    step_s_per_token: float  # 8·P/(gpus·peak·MFU): fwd+bwd (6P) + old-logprob pass (2P)
+    # 6·P/(gpus·peak·MFU): forward + backward. No separate old-policy logprob pass: the
+    # GRPO loss takes the importance ratio against the rollout engine's logprobs.
+    step_s_per_token: float
     shift_up_s: dict[str, float]
     shift_down_s: dict[str, float]
     publish_s: float  # GPS Write of the new policy (not overlapped in the simulator)
@@ -221,7 +223,7 @@ def training_costs(model: ModelSpec, hw: Hardware, gpus: int, tp: int) -> Traini
     write = max(shard / pcie, model.weight_bytes / (hw.ib_gb_s * 1e9))
     return TrainingCosts(
         gpus=gpus,
-        step_s_per_token=8 * model.active_params / peak,
+        step_s_per_token=6 * model.active_params / peak,
         shift_up_s={"read_s": shard / pcie, "reload_s": opt + TRAIN_CONTEXT_S},
         shift_down_s={"offload_s": opt, "discard_s": ENGINE_STOP_S},
         publish_s=write,

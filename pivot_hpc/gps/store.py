@@ -1,0 +1,443 @@
+"""GlobalParameterStorage: the host-memory copy of every model, with Read and Write.
+
+Versioning (double buffer + seqlock). A writable model has two slots per node; version v
+lives in slot v % 2. Each node's header holds the published version and a stamp per slot.
+Write of v+1 (slot t): the leader sets stamp[t] = -1 on every node; barrier; every writer
+fills slot t on every holder; barrier; the leader sets stamp[t] = v+1 on every node, then
+published = v+1 on every node. A Read takes v from its own node's header, copies slot
+v % 2 from the holders of its plan, then re-reads those holders' stamps: if any is no
+longer v (a second Write has started recycling that slot), it retries with the new
+version. So a Read returns exactly one version, never blocks a Write, and is never
+blocked by one. Memory cost: 2x the model's bytes per node for writable models, 1x for
+read-only ones (GenRM).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from pivot_hpc.gps.catalog import GPSError, ModelSpec, Parallelism
+from pivot_hpc.gps.config import GPSConfig
+from pivot_hpc.gps.layout import GIB, HostLayout, choose_group_size
+from pivot_hpc.gps.links import LinkModel
+from pivot_hpc.gps.nodes import split_nodes
+from pivot_hpc.gps.plan import Plan, PlanCache, build_read_plan, build_write_plan, check_request
+from pivot_hpc.gps.transport import Arena, Batch, LocalCopy
+from pivot_hpc.gps.transport_nixl import NixlTransport, nixl_available
+from pivot_hpc.gps.transport_rma import RmaTransport
+
+PUBLISHED, STAMP0 = 0, 1  # int64 positions in a model's header
+
+
+def _cuda_present() -> bool:
+    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def default_budget_bytes(nodes_per_host: int) -> int:
+    """Half of this machine's RAM, shared among the pseudo-nodes on it."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * 0.5 / max(1, nodes_per_host))
+
+
+class GlobalParameterStorage:
+    """See the package docstring (pivot_hpc.gps) for who calls what."""
+
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        config: GPSConfig | None = None,
+        models: Mapping[str, ModelSpec] | None = None,
+        read_only: Iterable[str] = (),
+    ) -> None:
+        cfg = config or GPSConfig()
+        cfg.validate("gps")
+        if not models:
+            raise GPSError("GlobalParameterStorage needs models={name: ModelSpec, ...}")
+        unknown = set(read_only) - set(models)
+        if unknown:
+            raise GPSError(f"read_only names {sorted(unknown)} are not models {sorted(models)}")
+        self.cfg = cfg
+        self.models = dict(models)
+        self.nodes = nodes = split_nodes(comm, cfg.pseudo_node_size)
+        self.world = comm
+        writable = set(models) - set(read_only)
+        if cfg.host_budget_gib > 0:
+            budget = int(cfg.host_budget_gib * GIB)
+        else:
+            budget = comm.allreduce(default_budget_bytes(nodes.nodes_per_host), op=MPI.MIN)
+        self.budget_bytes = budget
+        k = choose_group_size(models, writable, nodes.num_nodes, budget, cfg.group_size)
+        self.layout = layout = HostLayout(models, writable, nodes.num_nodes, k)
+        self.member = layout.member_of(nodes.node)
+        size = int(layout.node_bytes[self.member]) if nodes.is_host else 0
+        self._shwin = MPI.Win.Allocate_shared(size, 1, comm=nodes.local)
+        mem, _ = self._shwin.Shared_query(0)
+        self.buf = np.frombuffer(mem, dtype=np.uint8)
+        if nodes.is_host:
+            for name in models:
+                self._header(name)[:] = -1  # nothing published, both slots empty
+        nodes.local.Barrier()
+        self._win = MPI.Win.Create(self.buf if nodes.is_host else MPI.BOTTOM, 1, comm=comm)
+        self.links = LinkModel.from_config(cfg, nodes.num_nodes)
+        self.plans = PlanCache()
+        self.local = LocalCopy(self.buf)
+        max_bytes = cfg.max_transfer_mib << 20
+        choice = cfg.transport
+        if choice == "auto":
+            choice = "nixl" if _cuda_present() and nixl_available() else "rma"
+        self.transport_name = choice
+        if choice == "nixl":
+            self.remote: Any = NixlTransport(nodes, self.buf if nodes.is_host else None, max_bytes)
+        else:
+            self.remote = RmaTransport(self._win, nodes.host_of, max_bytes)
+        self._groups: dict[tuple[int, ...], MPI.Comm] = {}
+        self.read_retries = 0  # Reads repeated because a Write recycled their slot
+        comm.Barrier()
+
+    # ---- header (version) access -------------------------------------------------------
+    def _header(self, model: str) -> np.ndarray:
+        off = self.layout.header_offset(model)
+        return np.ndarray((3,), dtype=np.int64, buffer=self.buf, offset=off)
+
+    def _get_header(self, node: int, model: str) -> np.ndarray:
+        if node == self.nodes.node:
+            return self._header(model).copy()
+        out = np.empty(3, dtype=np.int64)
+        target = int(self.nodes.host_of[node])
+        self._win.Lock(target, MPI.LOCK_SHARED)
+        self._win.Get([out, MPI.BYTE], target, (self.layout.header_offset(model), 24, MPI.BYTE))
+        self._win.Unlock(target)
+        return out
+
+    def _set_header(self, node: int, model: str, pos: int, value: int) -> None:
+        if node == self.nodes.node:
+            self._header(model)[pos] = value
+            self._shwin.Sync()
+            return
+        val = np.array([value], dtype=np.int64)
+        target = int(self.nodes.host_of[node])
+        self._win.Lock(target, MPI.LOCK_EXCLUSIVE)
+        disp = self.layout.header_offset(model) + 8 * pos
+        self._win.Put([val, MPI.BYTE], target, (disp, 8, MPI.BYTE))
+        self._win.Unlock(target)
+
+    def version(self, model: str) -> int:
+        """The published version of `model` as this node sees it (-1: never loaded)."""
+        self._spec(model)
+        return int(self._header(model)[PUBLISHED])
+
+    # ---- public operations ----------------------------------------------------------------
+    def load(
+        self,
+        model: str,
+        tensors: Mapping[str, np.ndarray] | Callable[[str], np.ndarray],
+        version: int = 0,
+    ) -> None:
+        """Fill every node from full canonical tensors (e.g. a checkpoint) and publish.
+
+        Collective over the world; only host ranks touch `tensors` (a mapping or a callable
+        name -> full array), so other ranks may pass {}.
+        """
+        spec = self._spec(model)
+        err = ""
+        try:
+            self._load_local(model, spec, tensors, version)
+        except GPSError as exc:
+            err = str(exc)
+        errors = self.world.allgather(err)  # a bad tensor fails every rank, none hangs
+        if any(errors):
+            raise GPSError(f"load of {model!r} failed: {next(e for e in errors if e)}")
+
+    def _load_local(self, model, spec, tensors, version) -> None:
+        lay = self.layout
+        if self.nodes.is_host:
+            slot = lay.slot_of(model, version)
+            get = tensors if callable(tensors) else tensors.__getitem__
+            bounds, offs = lay.bounds[model][:, self.member], lay.offsets[model][self.member, slot]
+            ends = lay.bounds[model][:, self.member + 1]
+            for ti, t in enumerate(spec.tensors):
+                full = _as_bytes(get(t.name), t, f"load({model!r})")
+                row = t.cols * t.itemsize
+                blk = full[bounds[ti] * row : ends[ti] * row]
+                self.buf[offs[ti] : offs[ti] + blk.size] = blk
+            h = self._header(model)
+            h[STAMP0 + slot] = version
+            if lay.slots(model) == 2:
+                h[STAMP0 + 1 - slot] = -1
+            self._shwin.Sync()
+            h[PUBLISHED] = version
+
+    def make_arena(
+        self, model: str, ranks: Iterable[int], parallelism: Parallelism, device: str | None = None
+    ) -> Arena:
+        """A reusable destination for repeated Reads of the same (M, G, P) by this rank."""
+        plan, i = self._read_plan(model, ranks, parallelism)
+        return Arena(plan.shards[i].arena_bytes, device)
+
+    def read(
+        self,
+        model: str,
+        ranks: Iterable[int],
+        parallelism: Parallelism,
+        *,
+        device: str | None = None,
+        arena: Arena | None = None,
+    ) -> tuple[dict[str, Any], int]:
+        """Read(M, G, P) on one rank of G: (this rank's shards by HF name, version read).
+
+        Called by each rank of G, independently (no collective, the hosts do nothing).
+        Returns numpy arrays (bfloat16 as uint16 bit patterns) when `device` is None,
+        torch tensors on `device` otherwise. With `arena` the shards are views into it.
+        """
+        plan, i = self._read_plan(model, ranks, parallelism)
+        sh = plan.shards[i]
+        if arena is None:
+            arena = Arena(sh.arena_bytes, device)
+        elif arena.nbytes != sh.arena_bytes:
+            raise GPSError(f"arena of {arena.nbytes} B does not fit this read ({sh.arena_bytes} B)")
+        version = -1
+        try:
+            for _ in range(self.cfg.read_retries):
+                version = int(self._header(model)[PUBLISHED])
+                if version < 0:
+                    raise GPSError(f"model {model!r} has no version yet: load() or write() it")
+                slot = self.layout.slot_of(model, version)
+                batches = self._batches(plan, i, slot)
+                for node, batch in batches:
+                    tr = self.local if node == self.nodes.node else self.remote
+                    tr.get(node, arena, batch)
+                stale = [
+                    n for n, _ in batches if self._get_header(n, model)[STAMP0 + slot] != version
+                ]
+                if not stale:
+                    break
+                self.read_retries += 1
+            else:
+                raise GPSError(
+                    f"read of {model!r}: the slot was recycled by writes {self.cfg.read_retries} "
+                    "times in a row (gps.read_retries); writes are too frequent for this read"
+                )
+        finally:
+            getattr(self.remote, "release", lambda a: None)(arena)
+        return _views(self.models[model], sh, arena, device), version
+
+    def write(
+        self,
+        model: str,
+        ranks: Iterable[int],
+        parallelism: Parallelism,
+        tensors: Mapping[str, Any],
+    ) -> int:
+        """Write(M, G, P): collective over the ranks of G; publishes and returns v+1.
+
+        `tensors` holds this rank's shards (HF names, shard shapes) of every tensor its
+        pipeline stage holds, as numpy arrays (bfloat16 as uint16) or torch tensors (GPU
+        tensors are staged through one host buffer). Bad input fails on every rank of G
+        before any byte moves. One Write per model at a time (the trainer's).
+        """
+        spec = self._spec(model)
+        if self.layout.slots(model) < 2:
+            raise GPSError(f"model {model!r} is read-only in this GPS (read_only=...); not written")
+        g = check_request(model, spec, ranks, parallelism, self.world.size)
+        i = self._index_in(g)
+        plan = self.plans.get(
+            ("write", model, g, parallelism),
+            lambda: build_write_plan(
+                model, spec, self.layout, self.nodes.node_of, g, parallelism, self.links
+            ),
+        )
+        comm = self._group(g)
+        sh = plan.shards[i]
+        try:
+            arena, err = _stage(spec, sh, tensors, model), ""
+        except GPSError as exc:
+            arena, err = None, str(exc)
+        errors = comm.allgather(err)  # every writer learns of any bad input before a transfer
+        if any(errors):
+            bad = {g[j]: e for j, e in enumerate(errors) if e}
+            raise GPSError(f"write of {model!r} aborted before any transfer: {bad}")
+        assert arena is not None
+        leader = i == 0
+        current = comm.bcast(self.version(model) if leader else None, root=0)
+        new = current + 1
+        slot = self.layout.slot_of(model, new)
+        nodes = range(self.nodes.num_nodes)
+        if leader:
+            for n in nodes:
+                self._set_header(n, model, STAMP0 + slot, -1)
+        comm.Barrier()
+        try:
+            for node, batch in self._batches(plan, i, slot):
+                tr = self.local if node == self.nodes.node else self.remote
+                tr.put(node, arena, batch)
+        finally:
+            getattr(self.remote, "release", lambda a: None)(arena)
+        self._shwin.Sync()
+        comm.Barrier()
+        if leader:
+            for n in nodes:
+                self._set_header(n, model, STAMP0 + slot, new)
+            for n in nodes:
+                self._set_header(n, model, PUBLISHED, new)
+        comm.Barrier()
+        return new
+
+    def host_shard(self, model: str, name: str, version: int | None = None) -> np.ndarray:
+        """This node's member block of one tensor (host-side view; for checks and tests)."""
+        spec = self._spec(model)
+        v = self.version(model) if version is None else version
+        ti = spec.index[name]
+        t = spec.tensors[ti]
+        lay = self.layout
+        b = lay.bounds[model][ti]
+        rows = int(b[self.member + 1] - b[self.member])
+        off = int(lay.offsets[model][self.member, lay.slot_of(model, v), ti])
+        nbytes = rows * t.cols * t.itemsize
+        return self.buf[off : off + nbytes]
+
+    def close(self) -> None:
+        """Collective over the world: release transports and windows."""
+        self.world.Barrier()
+        self.remote.close()
+        for g in sorted(self._groups):  # same order on every member
+            self._groups[g].Free()
+        self._groups.clear()
+        self._win.Free()
+        self._shwin.Free()
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _spec(self, model: str) -> ModelSpec:
+        spec = self.models.get(model)
+        if spec is None:
+            raise GPSError(f"unknown model {model!r}; this GPS holds {sorted(self.models)}")
+        return spec
+
+    def _index_in(self, g: tuple[int, ...]) -> int:
+        me = self.world.rank
+        if me not in g:
+            raise GPSError(f"world rank {me} is not in G = {list(g)}; only ranks of G call this")
+        return g.index(me)
+
+    def _read_plan(self, model: str, ranks, par: Parallelism) -> tuple[Plan, int]:
+        spec = self._spec(model)
+        g = check_request(model, spec, ranks, par, self.world.size)
+        i = self._index_in(g)
+        plan = self.plans.get(
+            ("read", model, g, par),
+            lambda: build_read_plan(
+                model, spec, self.layout, self.nodes.node_of, g, par, self.links
+            ),
+        )
+        return plan, i
+
+    def _batches(self, plan: Plan, i: int, slot: int) -> list[tuple[int, Batch]]:
+        """This actor's ops grouped per host node, with absolute offsets for `slot`."""
+        key = ("batches", i, slot)
+        cached = plan.cache.get(key)
+        if cached is not None:
+            return cached
+        ops = plan.ops(i)
+        sh = plan.shards[i]
+        ntensors = len(self.models[plan.model].tensors)
+        shard_base = np.zeros(ntensors, dtype=np.int64)
+        shard_base[sh.tensors] = sh.offsets
+        t, m = plan.op_tensor[ops], plan.op_member[ops]
+        host = self.layout.offsets[plan.model][m, slot, t] + plan.op_host_off[ops]
+        arena = shard_base[t] + plan.op_shard_off[ops]
+        node = plan.op_node[ops]
+        out = []
+        for n in np.unique(node).tolist():
+            sel = node == n
+            out.append(
+                (
+                    n,
+                    Batch(
+                        host[sel],
+                        plan.op_nrows[ops][sel],
+                        plan.op_row_bytes[ops][sel],
+                        plan.op_stride[ops][sel],
+                        arena[sel],
+                    ),
+                )
+            )
+        # own node first: its copies need no network and overlap nothing anyway
+        out.sort(key=lambda nb: nb[0] != self.nodes.node)
+        plan.cache[key] = out
+        return out
+
+    def _group(self, g: tuple[int, ...]) -> MPI.Comm:
+        comm = self._groups.get(g)
+        if comm is None:
+            group = self.world.Get_group().Incl(list(g))
+            comm = self._groups[g] = self.world.Create_group(group, tag=7)
+            group.Free()
+        return comm
+
+
+def _as_bytes(arr: Any, t, where: str) -> np.ndarray:
+    """Flat uint8 bytes of a full tensor, checking shape and element size."""
+    a = _to_numpy(arr)
+    if tuple(a.shape) != tuple(t.shape) or a.itemsize != t.itemsize:
+        raise GPSError(
+            f"{where}: tensor {t.name!r} is {tuple(a.shape)} with {a.itemsize}-byte elements; "
+            f"expected {t.shape} of {t.dtype}"
+        )
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _to_numpy(arr: Any) -> np.ndarray:
+    if isinstance(arr, np.ndarray):
+        return arr
+    if hasattr(arr, "detach"):  # torch tensor (bfloat16 has no numpy dtype: view as uint16)
+        import torch
+
+        t = arr.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.uint16) if hasattr(torch, "uint16") else t.view(torch.int16)
+        return t.numpy()
+    return np.asarray(arr)
+
+
+def _stage(spec: ModelSpec, sh, tensors: Mapping[str, Any], model: str) -> Arena:
+    """Check a writer's shards and pack them into one arena (one registration, one view)."""
+    missing = [n for n in sh.names if n not in tensors]
+    if missing:
+        raise GPSError(
+            f"write of {model!r}: this rank's stage needs {len(sh.names)} tensors; missing "
+            f"{missing[:4]}{' ...' if len(missing) > 4 else ''}"
+        )
+    arena = Arena(sh.arena_bytes)
+    assert arena.host is not None
+    for p, name in enumerate(sh.names):
+        a = _to_numpy(tensors[name])
+        t = spec.tensors[sh.tensors[p]]
+        if tuple(a.shape) != tuple(sh.shapes[p]) or a.itemsize != t.itemsize:
+            raise GPSError(
+                f"write of {model!r}: shard {name!r} is {tuple(a.shape)} with {a.itemsize}-byte "
+                f"elements; this rank's shard is {sh.shapes[p]} of {t.dtype}"
+            )
+        off = int(sh.offsets[p])
+        arena.host[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return arena
+
+
+def _views(spec: ModelSpec, sh, arena: Arena, device: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p, name in enumerate(sh.names):
+        off, n = int(sh.offsets[p]), int(sh.nbytes[p])
+        t = spec.tensors[sh.tensors[p]]
+        if device is None:
+            assert arena.host is not None
+            out[name] = arena.host[off : off + n].view(sh.dtypes[p]).reshape(sh.shapes[p])
+        else:
+            import torch
+
+            raw = arena.torch if arena.torch is not None else torch.from_numpy(arena.host)
+            dt = getattr(torch, t.dtype)
+            out[name] = raw[off : off + n].view(dt).view(sh.shapes[p])
+    return out
