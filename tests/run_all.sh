@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install everything pivot_hpc's tests need on a fresh Debian machine, then run them.
-# This is the README's test command; .ci/run calls it unchanged.
+# Install everything pivot_hpc needs on a fresh Debian machine, then run the tests.
+# This is the README's test command; .ci/run calls it unchanged. With --install-only it
+# stops after installing (the README's main-job command uses that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,10 @@ fi
 "$PY" -m pip install -q -e '.[test]'
 # NIXL (GPS remote transport; tests skip it only if it cannot be imported)
 "$PY" -c 'import nixl' 2>/dev/null || "$PY" -m pip install -q -e '.[nixl]'
+
+if [ "${1:-}" = "--install-only" ]; then
+  exit 0
+fi
 
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .

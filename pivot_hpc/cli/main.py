@@ -20,6 +20,7 @@ OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pivot_hpc.cli.bench", "benchmarks of pivot_hpc's own parts (JSON with --json)"),
     "profile": ("pivot_hpc.cli.profile", "fit the throughput model (A, B, C, D) of an engine"),
+    "run": ("pivot_hpc.cli.run", "the main job: RL post-training in one MPI world"),
     "simulate": ("pivot_hpc.cli.simulate", "run a deployment on a simulated cluster"),
     "report": ("pivot_hpc.cli.report", "summarise a run directory's telemetry"),
 }

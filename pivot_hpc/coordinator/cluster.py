@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from pivot_hpc.coordinator.events import Event
+from pivot_hpc.coordinator.events import Event, SequenceFinished
 from pivot_hpc.coordinator.rl_state import Sample
 
 
@@ -32,8 +32,14 @@ class Cluster(Protocol):
         """Start (or resume, by re-prefill) the role's sequence of `sample` on `rid`."""
         ...
 
-    def abort(self, rid: str, seq_id: int) -> int:
-        """Stop a running sequence; its generated tokens are kept. Returns its length."""
+    def abort(self, rid: str, seq_id: int) -> int | None:
+        """Stop a running sequence; its generated tokens are kept. Returns its length, or
+        None if it had already finished (its `SequenceFinished` is then held back for
+        `take_finished`)."""
+        ...
+
+    def take_finished(self, role: str, seq_id: int) -> SequenceFinished:
+        """The held-back finish of a sequence whose abort came too late (see `abort`)."""
         ...
 
     def lengths(self, role: str) -> dict[int, int]:

@@ -14,6 +14,7 @@ the replica loads weights from GPS and Alg. 4 fills and balances it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -179,6 +180,7 @@ class Coordinator:
         self.plan_id = 0
         self._allocation: tuple[int, ...] | None = None
         self._arrived: dict[str, list[str]] = {}  # replicas up, waiting for Alg. 4
+        self._finished: set[tuple[str, int, float]] = set()  # see _on_finished
         self.tokens_total = 0  # rollout + reward tokens of completed steps (§8.1 throughput)
         self.first_step_start = float("inf")
         self.last_step_end = 0.0
@@ -250,7 +252,16 @@ class Coordinator:
             s.version_start = self.replica_version.get(rid, self.rl.version)
         self.cluster.start(rid, s, role)
 
+    def _finish_early(self, ev: SequenceFinished) -> None:
+        """Handle a finish found by a too-late abort; skip it if it is delivered again."""
+        self._on_finished(ev)
+        self._finished.add((ev.role, ev.seq_id, ev.t))
+
     def _on_finished(self, ev: SequenceFinished) -> None:
+        key = (ev.role, ev.seq_id, ev.t)
+        if key in self._finished:  # handled early, when an abort came too late
+            self._finished.discard(key)
+            return
         sched = self.schedulers[ev.role]
         if sched.location(ev.seq_id) != ev.rid:
             raise ConservationError(
@@ -263,7 +274,8 @@ class Coordinator:
         if ev.role == "rollout":
             self.rl.rollout_done(s, ev.generated)
             log.rollout_tokens += ev.generated
-            self.schedulers["reward"].submit(SeqState(s.sample_id, s.prompt_len + ev.generated, s))
+            context = self.rl.source.on_rollout(s, ev.generated, ev.result)
+            self.schedulers["reward"].submit(SeqState(s.sample_id, context, s))
             self.dispatch("reward")
         else:
             verifiable, genrm = self.rewarder(s, ev.result)
@@ -321,7 +333,11 @@ class Coordinator:
             lengths = {}
             for rid in group:
                 for seq in sched.running_on(rid):
-                    lengths[seq.seq_id] = self.cluster.abort(rid, seq.seq_id)
+                    length = self.cluster.abort(rid, seq.seq_id)
+                    if length is None:  # it finished before the abort reached it
+                        self._finish_early(self.cluster.take_finished(role, seq.seq_id))
+                    else:
+                        lengths[seq.seq_id] = length
             sched.set_lengths(lengths)
             abort_s = time.perf_counter() - t0
             res = sched.shift_down(group)
@@ -398,16 +414,22 @@ class Coordinator:
                     origin.setdefault(seq_id, src)
             final = dict(res.dispatched)
             t1 = time.perf_counter()
-            lengths = {
-                seq_id: self.cluster.abort(src, seq_id)
-                for seq_id, src in origin.items()
-                if final.get(seq_id) != src
-            }
+            lengths, finished = {}, []
+            for seq_id, src in origin.items():
+                if final.get(seq_id) != src:
+                    length = self.cluster.abort(src, seq_id)
+                    if length is None:  # finished on `src` before the abort reached it
+                        finished.append(self.cluster.take_finished(role, seq_id))
+                    else:
+                        lengths[seq_id] = length
             abort_s = time.perf_counter() - t1 + plan_s
             if lengths:
                 sched.set_lengths(lengths)
+            for ev in finished:  # the scheduler already moved it: finish it where it is now
+                self._finish_early(dataclasses.replace(ev, rid=sched.location(ev.seq_id)))
+            done = {ev.seq_id for ev in finished}
             for seq_id, dst in final.items():
-                if seq_id not in origin or origin[seq_id] != dst:
+                if seq_id not in done and (seq_id not in origin or origin[seq_id] != dst):
                     self._start(role, dst, seq_id)
             self._log_migration(role, "up", res, abort_s)
 
@@ -419,7 +441,8 @@ class Coordinator:
         per_dst: dict[str, int] = defaultdict(int)
         sched = self.schedulers[role]
         for seq_id, dst in dict(res.dispatched).items():
-            per_dst[dst] += sched.sequence(seq_id).length
+            if seq_id in sched:  # (not if it finished before its abort landed)
+                per_dst[dst] += sched.sequence(seq_id).length
         reprefill = max((self.cluster.prefill_time(role, n) for n in per_dst.values()), default=0.0)
         self.telemetry.migration(
             self.cluster.now(),
@@ -477,7 +500,17 @@ class Coordinator:
         for s in batch:
             del self.samples[s.sample_id]
         if self.on_step is not None:
-            self.on_step(ev.step, {"reward": mean, "t": ev.t, **ev.metrics})
+            self.on_step(
+                ev.step,
+                {
+                    "reward": mean,
+                    "t": ev.t,
+                    "start": log.start,
+                    "rollout_tokens": log.rollout_tokens,
+                    "reward_tokens": log.reward_tokens,
+                    **ev.metrics,
+                },
+            )
         for rid in list(self.schedulers["rollout"].replicas):
             if rid not in self.shifting:
                 self.cluster.update_weights(rid, self.rl.version)

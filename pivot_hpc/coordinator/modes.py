@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pivot_hpc.planner import Strategy, replica_id
+from pivot_hpc.config import Config
+from pivot_hpc.config.loader import ConfigError
+from pivot_hpc.planner import Strategy, make_strategy, replica_id
 from pivot_hpc.planner.snapshot import TRAINING, Topology
 
 MODES = ("colocated", "disaggregated", "rr_colocated", "pivot")
@@ -165,3 +167,51 @@ class Shifting:
             return
         self.next_plan = now + self.interval_s
         c.execute(self.strategy.plan(c.snapshot()))
+
+
+def static_split(cfg: Config, training: list[int]) -> Split:
+    """Rollout and reward GPU ranges of the static split (disaggregated; static/rule start)."""
+    n = cfg.cluster.total_gpus
+    free = [g for g in range(n) if g not in set(training)]
+    d = cfg.deployment
+    ro_tp, rm_tp = cfg.rollout.tp, cfg.reward.tp
+    align = max(ro_tp, rm_tp)  # keep the reward range on its tp boundaries
+    if d.rollout_gpus is None and d.reward_gpus is None:
+        half = len(free) // 2
+        ro = half - half % align
+        rm = (len(free) - ro) - (len(free) - ro) % rm_tp
+    else:
+        ro = d.rollout_gpus if d.rollout_gpus is not None else 0
+        rm = d.reward_gpus if d.reward_gpus is not None else len(free) - ro
+    for key, v, tp in (("rollout_gpus", ro, ro_tp), ("reward_gpus", rm, rm_tp)):
+        if v < 0 or v % tp:
+            raise ConfigError(f"config key 'deployment.{key}' = {v}: must be a multiple of tp={tp}")
+    if ro + rm > len(free):
+        raise ConfigError(
+            f"config key 'deployment.rollout_gpus' + 'deployment.reward_gpus' = {ro + rm}: only "
+            f"{len(free)} GPUs are left after training's {len(training)}"
+        )
+    split = Split(rollout=set(free[:ro]), reward=set(free[ro : ro + rm]))
+    for role, gpus, tp in (("rollout", split.rollout, ro_tp), ("reward", split.reward, rm_tp)):
+        aligned = {g for g in gpus if all(h in gpus for h in range(g - g % tp, g - g % tp + tp))}
+        if aligned != gpus:
+            raise ConfigError(
+                f"config key 'deployment.{role}_gpus': GPUs {sorted(gpus)} do not split into "
+                f"aligned groups of tp={tp}; make rollout_gpus a multiple of {align}"
+            )
+    return split
+
+
+def make_mode(cfg: Config, training: list[int]):
+    """The deployment mode object named by `deployment.mode` (and `planner.strategy`)."""
+    n = cfg.cluster.total_gpus
+    name = cfg.deployment.mode
+    if name == "colocated":
+        return Colocated()
+    if name == "disaggregated":
+        return Disaggregated(static_split(cfg, training))
+    if name == "rr_colocated":
+        return RolloutRewardColocated({g for g in range(n) if g not in set(training)})
+    strategy = cfg.planner.strategy
+    split = static_split(cfg, training) if strategy in ("static", "rule") else None
+    return Shifting(make_strategy(cfg.planner), cfg.planner.interval_s, split)

@@ -45,6 +45,10 @@ class SampleSource(Protocol):
 
     def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample: ...
 
+    def on_rollout(self, sample: Sample, generated: int, result: Any) -> int:
+        """Record the rollout's output; return the context length of its reward sequence."""
+        ...
+
 
 @dataclass
 class RLState:

@@ -71,15 +71,24 @@ class TinyModelSpec:
     sft: SFTConfig = field(default_factory=SFTConfig)
 
 
+def _default_policy() -> TinyModelSpec:
+    # A short warm-up on purpose: the policy starts right about half the time (greedy),
+    # so RL has room to improve it.
+    return TinyModelSpec(sft=SFTConfig(steps=90))
+
+
 def _default_genrm() -> TinyModelSpec:
-    return TinyModelSpec(sft=SFTConfig(steps=300))
+    # Reference-guided judging (copy the claim, mark the reference against it, score) takes
+    # ~300 steps before the comparison "clicks": ~94% agreement with the verifier on
+    # held-out judgements (200 steps stayed near 60%).
+    return TinyModelSpec(sft=SFTConfig(steps=300, batch_size=32, lr=2e-3))
 
 
 @dataclass(kw_only=True)
 class ModelsConfig:
     """The policy and the GenRM of the embedded default, created deterministically per seed."""
 
-    policy: TinyModelSpec = field(default_factory=TinyModelSpec)
+    policy: TinyModelSpec = field(default_factory=_default_policy)
     genrm: TinyModelSpec = field(default_factory=_default_genrm)
     seed: int = 0
     cache_dir: Path | None = None  # None = $PIVOT_HPC_CACHE or ~/.cache/pivot_hpc

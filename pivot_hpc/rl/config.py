@@ -75,6 +75,7 @@ class RewardConfig:
     genrm_max_score: float = 10.0  # GenRM scores are 0..max, mapped to [0, 1]
     genrm_max_tokens: int = 96  # judgements are ~60 chars on the synthetic task
     genrm_temperature: float = 0.0  # greedy judgements
+    genrm_reference: bool = True  # show the GenRM the reference answer (reference-guided)
 
     def validate(self, path: str) -> None:
         for name in ("verifiable_weight", "genrm_weight"):

@@ -203,6 +203,9 @@ class Scheduler:
             return None
         return self._rid_of[int(self.seq_rep[q])]
 
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._q_of
+
     def sequence(self, seq_id: int) -> SeqState:
         q = self._q_of.get(seq_id)
         if q is None:

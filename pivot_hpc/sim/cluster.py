@@ -171,6 +171,9 @@ class SimCluster:
         self._schedule(r)
         return round(length)
 
+    def take_finished(self, role: str, seq_id: int):
+        raise RuntimeError("the simulator aborts synchronously; nothing is held back")
+
     def lengths(self, role: str) -> dict[int, int]:
         out = {}
         for r in self._replicas.values():

@@ -15,52 +15,13 @@ from typing import Any
 from pivot_hpc.config import Config, to_dict
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator.coordinator import Coordinator
-from pivot_hpc.coordinator.modes import (
-    Colocated,
-    Disaggregated,
-    RolloutRewardColocated,
-    Shifting,
-    Split,
-)
+from pivot_hpc.coordinator.modes import make_mode
 from pivot_hpc.coordinator.rl_state import RLState
-from pivot_hpc.planner import Topology, make_strategy
+from pivot_hpc.planner import Topology
 from pivot_hpc.scheduler import BusyModel
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, inference_costs, lookup, training_costs
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
-
-
-def static_split(cfg: Config, training: list[int]) -> Split:
-    """Rollout and reward GPU ranges of the static split (disaggregated; static/rule start)."""
-    n = cfg.cluster.total_gpus
-    free = [g for g in range(n) if g not in set(training)]
-    d = cfg.deployment
-    ro_tp, rm_tp = cfg.rollout.tp, cfg.reward.tp
-    align = max(ro_tp, rm_tp)  # keep the reward range on its tp boundaries
-    if d.rollout_gpus is None and d.reward_gpus is None:
-        half = len(free) // 2
-        ro = half - half % align
-        rm = (len(free) - ro) - (len(free) - ro) % rm_tp
-    else:
-        ro = d.rollout_gpus if d.rollout_gpus is not None else 0
-        rm = d.reward_gpus if d.reward_gpus is not None else len(free) - ro
-    for key, v, tp in (("rollout_gpus", ro, ro_tp), ("reward_gpus", rm, rm_tp)):
-        if v < 0 or v % tp:
-            raise ConfigError(f"config key 'deployment.{key}' = {v}: must be a multiple of tp={tp}")
-    if ro + rm > len(free):
-        raise ConfigError(
-            f"config key 'deployment.rollout_gpus' + 'deployment.reward_gpus' = {ro + rm}: only "
-            f"{len(free)} GPUs are left after training's {len(training)}"
-        )
-    split = Split(rollout=set(free[:ro]), reward=set(free[ro : ro + rm]))
-    for role, gpus, tp in (("rollout", split.rollout, ro_tp), ("reward", split.reward, rm_tp)):
-        aligned = {g for g in gpus if all(h in gpus for h in range(g - g % tp, g - g % tp + tp))}
-        if aligned != gpus:
-            raise ConfigError(
-                f"config key 'deployment.{role}_gpus': GPUs {sorted(gpus)} do not split into "
-                f"aligned groups of tp={tp}; make rollout_gpus a multiple of {align}"
-            )
-    return split
 
 
 def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
@@ -86,15 +47,7 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
         allowed={"rollout": cfg.rollout.gpus, "reward": cfg.reward.gpus},
         shift_time=cfg.planner.shift_time_s,
     )
-    if mode_name == "colocated":
-        mode = Colocated()
-    elif mode_name == "disaggregated":
-        mode = Disaggregated(static_split(cfg, training))
-    elif mode_name == "rr_colocated":
-        mode = RolloutRewardColocated({g for g in range(n) if g not in set(training)})
-    else:
-        split = static_split(cfg, training) if strategy in ("static", "rule") else None
-        mode = Shifting(make_strategy(cfg.planner), cfg.planner.interval_s, split)
+    mode = make_mode(cfg, training)
     cluster = SimCluster(
         inference=costs,
         training=training_costs(policy, hw, len(training), cfg.sim.training_tp),

@@ -58,6 +58,9 @@ class SimWorkload:
         )
         return Sample(sample_id, step, prompt_index, group, prompt_len, payload)
 
+    def on_rollout(self, sample: Sample, generated: int, result: object) -> int:
+        return sample.prompt_len + generated  # the GenRM reads prompt + response
+
 
 def sim_rewarder(sample: Sample, result: object) -> tuple[float, float]:
     """R = R_verifiable + R_GenRM (§8.1) from the synthetic outcome in the payload."""

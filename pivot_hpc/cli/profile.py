@@ -1,0 +1,107 @@
+"""`pivot-hpc profile`: fit the throughput-model constants (A, B, C, D) of an engine + model.
+
+Writes <out>/hf-<model>.yaml (default out: $PIVOT_HPC_CACHE/profiles or
+~/.cache/pivot_hpc/profiles). Use it in a run config with
+    engines.rollout.throughput_profile: <that file>
+or copy the printed `--set` overrides into `rollout.throughput.*`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="hf", choices=["hf"], help="inference engine")
+    p.add_argument(
+        "--model",
+        default="policy",
+        choices=["policy", "genrm", "random"],
+        help="cached tiny policy / GenRM (built if absent) or a random model of the policy's size",
+    )
+    p.add_argument("--role", default="rollout", choices=["rollout", "reward"])
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--context-lens", type=_ints, default=[16, 64, 128, 256, 384])
+    p.add_argument("--steps", type=int, default=7, help="decode steps timed per grid point")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (workers use 1)")
+    p.add_argument("--out", type=Path, default=None, help="directory for the profile YAML")
+    p.add_argument("--cache-dir", type=Path, default=None, help="model cache directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object only")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pivot_hpc.engines.profile import fit_samples, sweep, write_profile
+    from pivot_hpc.models.config import ModelsConfig, cache_root
+    from pivot_hpc.models.qwen2 import create_model
+    from pivot_hpc.models.zoo import ensure_model, load_model
+
+    torch.set_num_threads(args.threads)
+    mcfg = ModelsConfig(cache_dir=args.cache_dir)
+    if args.model == "random":
+        model, name = create_model(mcfg.policy.arch, seed=0), "random"
+    else:
+        path = ensure_model(mcfg, args.model, progress=not args.json)
+        model, _ = load_model(path)
+        name = path.name
+    bar = tqdm(
+        total=len(args.batch_sizes) * len(args.context_lens),
+        desc="profile",
+        disable=args.json,
+        leave=False,
+    )
+    samples = sweep(
+        model,
+        args.batch_sizes,
+        args.context_lens,
+        steps=args.steps,
+        progress=lambda k, n: bar.update(1),
+    )
+    bar.close()
+    result = fit_samples(samples)
+    out_dir = args.out or cache_root(args.cache_dir) / "profiles"
+    path = write_profile(
+        out_dir / f"{args.engine}-{name}.yaml",
+        result,
+        engine=args.engine,
+        model=name,
+        role=args.role,
+    )
+    m = result.fit.model
+    summary = {
+        "profile": str(path),
+        "engine": args.engine,
+        "model": name,
+        "A": m.A,
+        "B": m.B,
+        "C": m.C,
+        "D": m.D,
+        "r2": result.fit.r2,
+        "median_rel_error": result.fit.median_rel_error,
+        "held_out_r2": result.held_out.r2,
+        "held_out_median_rel_error": result.held_out.median_rel_error,
+        "samples": len(samples),
+    }
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+        return 0
+    print(f"fit ({result.fit.samples} points):      {result.fit.summary()}")
+    print(
+        f"held out ({result.held_out.samples} points): R²={result.held_out.r2:.4f}  "
+        f"median rel. error={result.held_out.median_rel_error * 100:.2f}%"
+    )
+    print(f"wrote {path}")
+    print(
+        f"use: engines.{args.role}.throughput_profile={path}   or   "
+        + " ".join(f"{args.role}.throughput.{k}={v:.6g}" for k, v in m.as_dict().items())
+    )
+    return 0

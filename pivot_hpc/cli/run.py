@@ -1,0 +1,74 @@
+"""`pivot-hpc run CONFIG [--run-dir DIR] [overrides]`: the main job.
+
+Under Slurm or mpirun it joins the MPI world. Started alone on a workstation it launches
+the local world itself (the installed `mpirun`, one rank per device slot plus one host
+rank per node) and streams the one-line-per-step log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pivot_hpc.config import load_config
+from pivot_hpc.errors import PivotError
+
+# Environment that makes OpenMPI + UCX/NIXL behave on CPU machines (PLATFORM.md).
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_osc": "^ucx",  # UCX one-sided reads at ~1 GB/s here; use OpenMPI's own
+    "UCX_MODULES": "^ib",  # NIXL's bundled libnl vs Debian's libibverbs segfault at exit
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML run config (configs/tiny.yaml is the CPU default)")
+    p.add_argument("--run-dir", default="runs/latest", help="telemetry and checkpoints go here")
+    p.add_argument("--in-world", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loop.steps=4")
+
+
+def in_mpi_world() -> bool:
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # validated before any MPI work
+    run_dir = Path(args.run_dir)
+    if args.in_world or in_mpi_world():
+        from pivot_hpc.runtime.main import run_in_world
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_in_world(cfg, run_dir)
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise PivotError("mpirun not found: install OpenMPI (apt-get install openmpi-bin)")
+    n = cfg.cluster.nodes * (cfg.cluster.gpus_per_node + 1)
+    cmd = [
+        mpirun,
+        "-n",
+        str(n),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        sys.executable,
+        "-m",
+        "pivot_hpc",
+        "run",
+        args.config,
+        "--run-dir",
+        str(run_dir),
+        "--in-world",
+        *args.overrides,
+    ]
+    if cfg.cluster.nodes > 1:
+        cmd[1:1] = ["--map-by", f"ppr:{cfg.cluster.gpus_per_node + 1}:node"]
+    env = {**os.environ, **MPI_ENV}
+    print(f"pivot-hpc: launching {n} ranks: {' '.join(cmd[:3])} …", flush=True)
+    return subprocess.call(cmd, env=env)

@@ -1,0 +1,149 @@
+"""The synthetic reasoning task: multi-digit addition with a worked, column-wise answer.
+
+    prompt   "47+38=?\n"
+    response "7+8=15,4+3+1=8.Answer: 85"      (then EOS)
+
+The answer line follows DAPO's format ("Answer: X"), so the same verifiable reward
+(math-verify) scores this task and DAPO-Math-17k. A GenRM judgement is a short rationale
+that compares the claim with the reference digit by digit, then a score out of 10:
+
+    "says 85; ref 85. Score: 10"      (claim 85)
+    "says 86; ref 8f. Score: 0"       (claim 86: the reference's differing 5 is written "f")
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from pivot_hpc.data.problem import Problem
+
+
+def _columns(a: int, b: int, slip_col: int = -1, slip: int = 0) -> tuple[str, int]:
+    """Column-wise addition, least significant first; `slip` is added to the sum of
+    column `slip_col` (a plausible mistake whose carries and answer stay consistent)."""
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    carry, cols, digits = 0, [], []
+    n = max(len(xs), len(ys))
+    for i in range(n):
+        x = int(xs[i]) if i < len(xs) else 0
+        y = int(ys[i]) if i < len(ys) else 0
+        s = max(0, x + y + carry + (slip if i == slip_col else 0))
+        cols.append(f"{x}+{y}+{carry}={s}" if carry else f"{x}+{y}={s}")
+        carry = s // 10
+        digits.append(s % 10 if i < n - 1 else s)
+    total = int("".join(str(d) for d in reversed(digits)))
+    return ",".join(cols), total
+
+
+def worked_solution(a: int, b: int) -> str:
+    return _columns(a, b)[0]
+
+
+def question(a: int, b: int) -> str:
+    return f"{a}+{b}=?\n"
+
+
+def solution(a: int, b: int) -> str:
+    return f"{worked_solution(a, b)}.Answer: {a + b}"
+
+
+def make_problem(a: int, b: int) -> Problem:
+    q = question(a, b)
+    return Problem(prompt=q, answer=str(a + b), uid=f"{a}+{b}", question=q)
+
+
+def sample_operands(rng: random.Random, max_digits: int) -> tuple[int, int]:
+    da, db = rng.randint(1, max_digits), rng.randint(1, max_digits)
+    return rng.randrange(10 ** (da - 1) if da > 1 else 0, 10**da), rng.randrange(
+        10 ** (db - 1) if db > 1 else 0, 10**db
+    )
+
+
+def problems(n: int, seed: int = 0, max_digits: int = 2) -> list[Problem]:
+    rng = random.Random(seed)
+    return [make_problem(*sample_operands(rng, max_digits)) for _ in range(n)]
+
+
+_Q = re.compile(r"^\s*(\d+)\+(\d+)=\?")
+
+
+def operands(q: str) -> tuple[int, int] | None:
+    m = _Q.match(q)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def corrupt(response: str, rng: random.Random, q: str | None = None) -> str:
+    """A plausible wrong response. With the question given, most are self-consistent:
+    one column summed wrong (carries and answer follow from it) or a misread operand —
+    the errors a weak policy makes — so a judge cannot score by copying the response's
+    own columns; the rest change the final answer, slip a digit, or drop the answer."""
+    kind = rng.random()
+    ops = operands(q) if q is not None else None
+    if ops is not None and kind < 0.35:
+        a, b = ops
+        n = max(len(str(a)), len(str(b)))
+        cols, total = _columns(a, b, rng.randrange(n), rng.choice([-2, -1, 1, 1, 2, 3]))
+        if total != a + b:
+            return f"{cols}.Answer: {total}"
+    if ops is not None and kind < 0.55:
+        a, b = ops
+        which = rng.randrange(2)
+        x = str((a, b)[which])
+        i = rng.randrange(len(x))
+        d = (int(x[i]) + rng.randint(1, 9)) % 10
+        if i == 0 and d == 0 and len(x) > 1:
+            d = 1 + (d % 9)
+        y = int(x[:i] + str(d) + x[i + 1 :])
+        return solution(y, b) if which == 0 else solution(a, y)
+    m = re.search(r"Answer: (\d+)$", response)
+    if kind < 0.8 and m:
+        v = int(m.group(1))
+        wrong = v + rng.choice([-11, -10, -9, -2, -1, 1, 2, 9, 10, 11])
+        return response[: m.start(1)] + str(max(0, wrong) if wrong != v else v + 1)
+    if kind < 0.92 and m:
+        digits = [i for i, c in enumerate(response[: m.start()]) if c.isdigit()]
+        i = rng.choice(digits)
+        r = list(response)
+        r[i] = str((int(r[i]) + rng.randint(1, 9)) % 10)
+        v = int(m.group(1)) + rng.choice([-1, 1, 10])
+        return "".join(r[: m.start(1)]) + str(max(v, 0))
+    return response.split(".Answer")[0]
+
+
+_MARK = "abcdefghij"  # digit d that does not match is written as _MARK[d]
+
+
+def marked_copy(true: str, claimed: str) -> str:
+    """The claimed answer copied digit by digit, each digit that differs from the true
+    answer's digit at the same place written as a letter (a=0 … j=9); a claim of another
+    length is all letters. One token per digit keeps every lookup at a fixed offset, so
+    a tiny judge learns the comparison; the score then only asks "is there a letter"."""
+    if not claimed.isdigit():
+        return "none"
+    if len(claimed) != len(true):
+        return "".join(_MARK[int(c)] for c in claimed)
+    return "".join(c if c == t else _MARK[int(c)] for t, c in zip(true, claimed, strict=True))
+
+
+def judgement(q: str, response: str, max_score: int = 10, reference: str | None = None) -> str:
+    """The GenRM's target text: a short rationale, then the score.
+
+    Reference-guided (the GenRM prompt carries the reference answer, as DAPO rows do):
+        "says 86; ref 8f. Score: 0"      (claim 86 vs reference 85: the 5 is written "f")
+    Without a reference the judge must redo the sum first:
+        "check 7+8=15,4+3+1=8 so 85; says 8g. Score: 0"
+    """
+    ops = operands(q)
+    assert ops is not None
+    a, b = ops
+    m = re.search(r"Answer:\s*(\d+)\s*$", response)
+    claimed = m.group(1) if m else "none"
+    true = str(a + b)
+    score = max_score if m is not None and claimed == true else 0
+    says = marked_copy(true, claimed)
+    if reference is not None:
+        # copy the claim first (nothing nearby to confuse it with), then the reference
+        # marked against it: every lookup is at a fixed offset or after a fixed label
+        return f"says {claimed}; ref {marked_copy(claimed, reference)}. Score: {score}"
+    return f"check {worked_solution(a, b)} so {true}; says {says}. Score: {score}"

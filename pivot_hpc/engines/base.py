@@ -1,0 +1,152 @@
+"""The two engine protocols (DESIGN.md §5) and the plain data they exchange.
+
+InferenceEngine — what the shift-aware scheduler drives on one replica:
+    add(seq_id, prompt_ids, generated_ids, sampling)   admit a sequence; `generated_ids`
+        (and their `generated_logprobs`) are tokens it already produced elsewhere: the
+        engine re-prefills prompt+generated and continues, so an aborted sequence resumes
+        without loss. Admission is bounded by the KV capacity in tokens (`can_admit`); a
+        sequence that does not fit yet waits inside the engine (FIFO).
+    step() -> list[SeqResult]      one decode iteration over every running sequence
+        (continuous batching: waiting sequences are prefilled as capacity frees); returns
+        the sequences that finished in this step.
+    abort(seq_id) -> SeqResult     remove a sequence now; its result carries every token
+        generated so far (including ones given to `add`) and their logprobs.
+    stats() -> EngineStats         running / waiting sequences, tokens in the KV cache,
+        KV capacity, latency of the last decode step.
+    load_weights(tensors, version) copy canonical HF tensors into the model in place;
+        sequences generated afterwards record `version`.
+    release_memory(weights=False) / resume_memory()   drop the KV cache (and weights, which
+        then come back through `load_weights`); the engine must be idle.
+
+TrainEngine — the training role:
+    load_weights(tensors)          canonical HF tensors → this rank's shard.
+    train_step(batch) -> metrics   one optimizer step on a TrainBatch (GRPO or SFT loss).
+    compute_logprobs(batch)        per-token logprobs of the responses under the current weights.
+    export_weights() -> tensors    canonical HF tensors (gathered over tensor parallelism).
+    offload_optimizer() / reload_optimizer()   optimizer state to host memory and back.
+    save(dir) / load(dir)          Megatron distributed checkpoint (model + optimizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """temperature 0 = greedy. `stop_token_ids` end a sequence (the stop token is kept);
+    `stop` strings need a tokenizer on the engine and end the sequence once the decoded
+    response ends with one of them. `max_tokens` counts every generated token, including
+    those already generated before an abort."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}: must be >= 1")
+
+
+@dataclass(slots=True)
+class SeqResult:
+    """A finished (or aborted) sequence. `logprobs[i]` is the log-probability of
+    `token_ids[i]` under the distribution it was sampled from (softmax(logits / T);
+    T = 1 for greedy), before top-p truncation."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    version: int = 0  # weights version that produced the last token
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int  # sequences in the decode batch
+    waiting: int  # admitted by `add` but not yet prefilled (KV capacity)
+    tokens_in_cache: int  # KV-cache tokens held by running sequences
+    kv_capacity: int  # tokens
+    last_step_s: float  # wall time of the last decode step
+    steps: int = 0
+    preemptions: int = 0  # running sequences pushed back to waiting under KV pressure
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    def add(
+        self,
+        seq_id: int,
+        prompt_ids: list[int],
+        generated_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        generated_logprobs: list[float] | None = None,
+    ) -> None: ...
+
+    def can_admit(self, n_tokens: int) -> bool: ...
+
+    def step(self) -> list[SeqResult]: ...
+
+    def abort(self, seq_id: int) -> SeqResult: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def load_weights(self, tensors: Tensors, version: int) -> None: ...
+
+    def release_memory(self, weights: bool = False) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """Trajectories for one optimizer step. Sequence i is `prompt_ids[i] + response_ids[i]`;
+    the loss covers response tokens only."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    advantages: list[float] = field(default_factory=list)  # GRPO: one per sequence
+    old_logprobs: list[list[float]] | None = None  # rollout logprobs (behaviour policy)
+    ref_logprobs: list[list[float]] | None = None  # for the optional KL term
+    versions: list[int] | None = None  # policy version that generated each sequence
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    version: int
+
+    def load_weights(self, tensors: Tensors) -> None: ...
+
+    def train_step(self, batch: TrainBatch, loss: str = "grpo") -> dict[str, float]: ...
+
+    def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]: ...
+
+    def export_weights(self) -> Tensors: ...
+
+    def offload_optimizer(self) -> None: ...
+
+    def reload_optimizer(self) -> None: ...
+
+    def save(self, path: str | Path) -> None: ...
+
+    def load(self, path: str | Path) -> None: ...

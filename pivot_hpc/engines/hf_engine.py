@@ -1,0 +1,503 @@
+"""The `hf` InferenceEngine: continuous batching over a `transformers` Qwen2 model on CPU.
+
+Why not `model.generate` or transformers' own continuous batching: generate cannot admit
+or abort a sequence mid-batch, and transformers' CB was 3–9x slower on CPU and returns no
+partial tokens on cancel (PLATFORM.md). This loop calls the model's own modules (norms,
+projections, rotary embedding, MLP, LM head) but owns the KV cache:
+
+- KV cache: per layer one K and one V tensor [slots, kv_heads, max_len, head_dim]. Running
+  sequence i lives in slot i (slots are kept dense: a finished sequence's slot is refilled
+  by moving the last one), so a decode step attends over `K[:n, :, :L]` without gathers.
+- Capacity: `kv_capacity_tokens` bounds the tokens held by running sequences. Admission
+  needs room for the whole context (prompt + already generated) plus one token; when a
+  decode step would overflow, the most recently admitted sequences are preempted back to
+  the waiting queue with their tokens and are re-prefilled later (vLLM's recompute policy).
+- Prefill: newly admitted sequences are right-padded into chunks and run with a causal +
+  padding mask; the first new token comes from the last real position.
+- Decode: one token per running sequence; GQA is computed by grouping query heads per KV
+  head (exact, no K/V repeat).
+- Abort returns the generated tokens and logprobs; `add(..., generated_ids=...)` resumes
+  by re-prefilling prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+from pivot_hpc.engines.base import EngineStats, SamplingParams, SeqResult, Tensors
+
+
+@dataclass(slots=True)
+class _Seq:
+    seq_id: int
+    prompt: list[int]
+    out: list[int]
+    logprobs: list[float]
+    sampling: SamplingParams
+    cached: int = 0  # tokens whose K/V are in the cache (the last sampled one is not)
+    version: int = 0
+    admitted_at: int = 0  # admission counter: preempt the newest first
+    finish: str | None = None
+    prefix_len: int = field(default=0)  # len(prompt) + tokens given at add()
+
+
+class HFEngine:
+    """Continuous-batching engine over a Qwen2ForCausalLM (see module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        kv_capacity_tokens: int = 65536,
+        max_batch: int = 256,
+        max_seq_len: int | None = None,
+        prefill_chunk_tokens: int = 4096,
+        eos_token_id: int | None = None,
+        tokenizer=None,
+        num_threads: int | None = 1,
+        seed: int = 0,
+    ) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.model = model.eval()
+        c = model.config
+        self.n_layers = c.num_hidden_layers
+        self.n_heads = c.num_attention_heads
+        self.n_kv = c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.max_len = max_seq_len or c.max_position_embeddings
+        self.kv_capacity = int(kv_capacity_tokens)
+        self.max_batch = int(max_batch)
+        self.prefill_chunk_tokens = int(prefill_chunk_tokens)
+        eos = c.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        self.tokenizer = tokenizer
+        self.dtype = next(model.parameters()).dtype
+        self.gen = torch.Generator().manual_seed(seed)
+        self.version = 0
+        self._k: list[torch.Tensor] | None = None
+        self._v: list[torch.Tensor] | None = None
+        self._slots = 0
+        self.running: list[_Seq] = []  # index = KV slot
+        self.waiting: deque[_Seq] = deque()
+        self._by_id: dict[int, _Seq] = {}
+        self._admissions = 0
+        self._last_step_s = 0.0
+        self._steps = 0
+        self._preemptions = 0
+        self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        inner = model.model
+        self._embed = inner.embed_tokens
+        self._layers = inner.layers
+        self._norm = inner.norm
+        self._rotary = inner.rotary_emb
+        self._lm_head = model.lm_head
+        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
+        self._eps = [
+            (
+                layer.input_layernorm.variance_epsilon,
+                layer.post_attention_layernorm.variance_epsilon,
+            )
+            for layer in self._layers
+        ]
+
+    # ------------------------------------------------------------------ API
+    def add(
+        self,
+        seq_id: int,
+        prompt_ids: list[int],
+        generated_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        generated_logprobs: list[float] | None = None,
+    ) -> None:
+        if seq_id in self._by_id:
+            raise ValueError(f"add: sequence {seq_id} is already in this engine")
+        if not prompt_ids:
+            raise ValueError(f"add: sequence {seq_id} has an empty prompt")
+        gen = list(generated_ids or [])
+        lps = list(generated_logprobs) if generated_logprobs is not None else [0.0] * len(gen)
+        if len(lps) != len(gen):
+            raise ValueError("add: generated_logprobs must match generated_ids in length")
+        if len(prompt_ids) + len(gen) + 1 > min(self.max_len, self.kv_capacity):
+            raise ValueError(
+                f"add: sequence {seq_id} needs {len(prompt_ids) + len(gen) + 1} tokens; "
+                f"max_seq_len={self.max_len}, kv_capacity={self.kv_capacity}"
+            )
+        s = _Seq(seq_id, list(prompt_ids), gen, lps, sampling or SamplingParams())
+        s.prefix_len = len(prompt_ids) + len(gen)
+        s.version = self.version
+        self._by_id[seq_id] = s
+        if self._done_reason(s) is not None:  # e.g. resumed with max_tokens already reached
+            s.finish = self._done_reason(s)
+        self.waiting.append(s)
+
+    def can_admit(self, n_tokens: int) -> bool:
+        """Whether a sequence with `n_tokens` of context could start now."""
+        return (
+            len(self.running) < self.max_batch
+            and self._tokens_in_cache() + len(self.running) + n_tokens + 1 <= self.kv_capacity
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self) -> list[SeqResult]:
+        """Admit + prefill what fits, then one decode step over every running sequence.
+
+        Returns the sequences that finished in this step."""
+        if self._weight_shapes is not None:
+            raise RuntimeError("step: weights were released; call resume_memory + load_weights")
+        finished: list[SeqResult] = []
+        # Sequences that arrive already complete (resumed at max_tokens) skip the model;
+        # one that outgrew the whole KV capacity ends as "length" (it can never run).
+        while self.waiting and (
+            self.waiting[0].finish is not None
+            or len(self.waiting[0].prompt) + len(self.waiting[0].out) + 1 > self.kv_capacity
+        ):
+            s = self.waiting.popleft()
+            finished.append(self._finish(s, s.finish or "length"))
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+            finished.extend(self._collect_finished())
+        if self.running:
+            self._make_room()
+            if self.running:
+                self._decode()
+                finished.extend(self._collect_finished())
+        return finished
+
+    def _collect_finished(self) -> list[SeqResult]:
+        out = []
+        for s in [s for s in self.running if s.finish is not None]:
+            self._free(s)
+            out.append(self._result(s, s.finish))
+        return out
+
+    def abort(self, seq_id: int) -> SeqResult:
+        s = self._by_id.get(seq_id)
+        if s is None:
+            raise KeyError(f"abort: sequence {seq_id} is not in this engine")
+        if s in self.running:
+            self._free(s)
+        else:
+            self.waiting.remove(s)
+            del self._by_id[s.seq_id]
+        return self._result(s, "abort")
+
+    def abort_all(self) -> list[SeqResult]:
+        return [self.abort(i) for i in list(self._by_id)]
+
+    def seq_lengths(self) -> dict[int, int]:
+        """Context length (prompt + generated) of every sequence in the engine."""
+        return {s.seq_id: len(s.prompt) + len(s.out) for s in (*self.running, *self.waiting)}
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            tokens_in_cache=self._tokens_in_cache(),
+            kv_capacity=self.kv_capacity,
+            last_step_s=self._last_step_s,
+            steps=self._steps,
+            preemptions=self._preemptions,
+        )
+
+    def load_weights(self, tensors: Tensors, version: int) -> None:
+        """Copy canonical HF tensors into the model's parameters in place."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(tensors) - set(params) - {"lm_head.weight"})
+        if unknown:
+            raise KeyError(f"load_weights: unknown tensors {unknown[:4]}")
+        missing = sorted(set(params) - set(tensors))
+        if missing:
+            raise KeyError(f"load_weights: missing tensors {missing[:4]}")
+        if self._weight_shapes is not None:
+            raise RuntimeError("load_weights: call resume_memory() first")
+        with torch.no_grad():
+            for name, p in params.items():
+                t = tensors[name]
+                if t.shape != p.shape:
+                    raise ValueError(
+                        f"load_weights: {name} has shape {tuple(t.shape)}, "
+                        f"model expects {tuple(p.shape)}"
+                    )
+                p.copy_(t.to(p.dtype))
+        self._fused = None
+        self.version = version
+
+    def release_memory(self, weights: bool = False) -> None:
+        """Free the KV cache (and the weights if asked); the engine must be idle."""
+        if self.has_unfinished():
+            raise RuntimeError("release_memory: abort the engine's sequences first")
+        self._k = self._v = None
+        self._fused = None
+        self._slots = 0
+        if weights and self._weight_shapes is None:
+            self._weight_shapes = {}
+            for name, p in self.model.named_parameters():
+                self._weight_shapes[name] = (p.shape, p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def resume_memory(self) -> None:
+        """Re-allocate released weights (contents undefined until `load_weights`)."""
+        if self._weight_shapes is not None:
+            for name, p in self.model.named_parameters():
+                shape, dtype = self._weight_shapes[name]
+                p.data = torch.empty(shape, dtype=dtype, device=p.device)
+            self._weight_shapes = None
+
+    # ------------------------------------------------------------ KV cache
+    def _tokens_in_cache(self) -> int:
+        return sum(s.cached for s in self.running)
+
+    def _ensure_slots(self, n: int) -> None:
+        if self._k is not None and self._slots >= n:
+            return
+        new = min(self.max_batch, max(n, 2 * self._slots, 8))
+        shape = (new, self.n_kv, self.max_len, self.head_dim)
+        ks = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
+        vs = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
+        if self._k is not None:
+            for i in range(self.n_layers):
+                ks[i][: self._slots] = self._k[i]
+                vs[i][: self._slots] = self._v[i]
+        self._k, self._v, self._slots = ks, vs, new
+
+    def _free(self, s: _Seq) -> None:
+        """Drop a running sequence; the last slot moves into its place (slots stay dense)."""
+        i = self.running.index(s)
+        last = len(self.running) - 1
+        if i != last:
+            moved = self.running[last]
+            n = moved.cached
+            for k, v in zip(self._k, self._v, strict=True):
+                k[i, :, :n] = k[last, :, :n]
+                v[i, :, :n] = v[last, :, :n]
+            self.running[i] = moved
+        self.running.pop()
+        self._by_id.pop(s.seq_id, None)
+
+    def _preempt(self, s: _Seq) -> None:
+        """Back to the front of the waiting queue, keeping its tokens (re-prefilled later)."""
+        self._free(s)
+        s.cached = 0
+        self._by_id[s.seq_id] = s
+        self.waiting.appendleft(s)
+        self._preemptions += 1
+
+    def _admit(self) -> list[_Seq]:
+        admitted: list[_Seq] = []
+        # every running sequence needs one more token in this step's decode
+        budget = self.kv_capacity - self._tokens_in_cache() - len(self.running)
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+            s = self.waiting[0]
+            if s.finish is not None:
+                break
+            need = len(s.prompt) + len(s.out) + 1
+            if need > budget:
+                break
+            budget -= need
+            self.waiting.popleft()
+            self._admissions += 1
+            s.admitted_at = self._admissions
+            admitted.append(s)
+        return admitted
+
+    def _make_room(self) -> None:
+        """Preempt the newest running sequences until one more token each fits."""
+        while self.running and self._tokens_in_cache() + len(self.running) > self.kv_capacity:
+            victim = max(
+                (s for s in self.running if s.finish is None),
+                key=lambda s: s.admitted_at,
+                default=None,
+            )
+            if victim is None:
+                break
+            self._preempt(victim)
+
+    # ------------------------------------------------------------- forward
+    def _fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """Per layer: [q; k; v] weight and bias, [gate; up] weight — one matmul instead of
+        three (two) per decode step. Rebuilt after every weight change."""
+        if self._fused is None:
+            self._fused = []
+            for layer in self._layers:
+                a, m = layer.self_attn, layer.mlp
+                w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+                bias = None
+                if a.q_proj.bias is not None:
+                    bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+                gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
+                self._fused.append((w, bias, gu))
+        return self._fused
+
+    def _norm_in(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
+        w = layer.input_layernorm.weight
+        return F.rms_norm(x, (x.shape[-1],), w, self._eps[li][0])
+
+    def _attn_qkv(self, li: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        w, bias, _ = self._fused_weights()[li]
+        b, s, _ = h.shape
+        qkv = F.linear(h, w, bias)
+        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = qkv.split([nq, nk, nk], dim=-1)
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _mlp(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight, self._eps[li][1])
+        gate, up = F.linear(h, self._fused_weights()[li][2]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+
+    @torch.no_grad()
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        self._ensure_slots(len(self.running) + len(seqs))
+        # Chunks of similar padded size: the prefill cost is batch × longest context.
+        chunk: list[_Seq] = []
+        longest = 0
+        for s in seqs:
+            n = len(s.prompt) + len(s.out)
+            if chunk and max(longest, n) * (len(chunk) + 1) > self.prefill_chunk_tokens:
+                self._prefill_chunk(chunk)
+                chunk, longest = [], 0
+            chunk.append(s)
+            longest = max(longest, n)
+        if chunk:
+            self._prefill_chunk(chunk)
+
+    def _prefill_chunk(self, seqs: list[_Seq]) -> None:
+        ctx = [s.prompt + s.out for s in seqs]
+        lens = torch.tensor([len(c) for c in ctx])
+        b, L = len(seqs), int(lens.max())
+        ids = torch.zeros(b, L, dtype=torch.long)
+        for i, c in enumerate(ctx):
+            ids[i, : len(c)] = torch.tensor(c)
+        first = len(self.running)
+        self.running.extend(seqs)
+        pos = torch.arange(L).unsqueeze(0).expand(b, L)
+        x = self._embed(ids)
+        cos, sin = self._rotary(x, pos)
+        ar = torch.arange(L)
+        # causal and key-padding mask (True = attend)
+        mask = (ar[None, :] <= ar[:, None])[None, None] & (ar[None, :] < lens[:, None])[
+            :, None, None, :
+        ]
+        for li, layer in enumerate(self._layers):
+            q, k, v = self._attn_qkv(li, self._norm_in(li, layer, x), cos, sin)
+            self._k[li][first : first + b, :, :L] = k
+            self._v[li][first : first + b, :, :L] = v
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, L, -1))
+            x = x + self._mlp(li, layer, x)
+        last = x[torch.arange(b), lens - 1]
+        logits = self._lm_head(self._norm(last))
+        for s, n in zip(seqs, lens.tolist(), strict=True):
+            s.cached = n
+        self._sample(seqs, logits)
+
+    @torch.no_grad()
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        seqs = self.running
+        n = len(seqs)
+        ids = torch.tensor([s.out[-1] for s in seqs]).unsqueeze(1)
+        pos = torch.tensor([s.cached for s in seqs])
+        L = int(pos.max()) + 1
+        x = self._embed(ids)
+        cos, sin = self._rotary(x, pos.unsqueeze(1))
+        ar = torch.arange(n)
+        mask = (torch.arange(L)[None, :] <= pos[:, None])[:, None, None, :]
+        g = self.n_heads // self.n_kv
+        for li, layer in enumerate(self._layers):
+            q, k, v = self._attn_qkv(li, self._norm_in(li, layer, x), cos, sin)
+            K, V = self._k[li], self._v[li]
+            K[ar, :, pos] = k[:, :, 0]
+            V[ar, :, pos] = v[:, :, 0]
+            # query heads of one KV group attend together: [n, kv, g, d] x [n, kv, L, d]
+            qg = q.reshape(n, self.n_kv, g, self.head_dim)
+            o = F.scaled_dot_product_attention(qg, K[:n, :, :L], V[:n, :, :L], attn_mask=mask)
+            x = x + layer.self_attn.o_proj(o.reshape(n, 1, -1))
+            x = x + self._mlp(li, layer, x)
+        logits = self._lm_head(self._norm(x[:, 0]))
+        for s in seqs:
+            s.cached += 1
+        self._sample(seqs, logits)
+        self._last_step_s = time.perf_counter() - t0
+        self._steps += 1
+
+    # ------------------------------------------------------------ sampling
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        logits = logits.float()
+        temps = torch.tensor([s.sampling.temperature for s in seqs])
+        greedy = temps == 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            probs = logp.exp()
+            top_p = torch.tensor([s.sampling.top_p for s in seqs])
+            if bool((top_p < 1).any()):
+                sp, si = probs.sort(dim=-1, descending=True)
+                drop = (sp.cumsum(-1) - sp) >= top_p[:, None]
+                sp = sp.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+            sampled = torch.multinomial(probs, 1, generator=self.gen)[:, 0]
+            tokens = torch.where(greedy, tokens, sampled)
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist(), strict=True):
+            s.out.append(t)
+            s.logprobs.append(lp)
+            s.version = self.version
+            s.finish = self._done_reason(s)
+
+    def _done_reason(self, s: _Seq) -> str | None:
+        sp = s.sampling
+        fresh = len(s.prompt) + len(s.out) > s.prefix_len  # last token generated here
+        if fresh:
+            t = s.out[-1]
+            if t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_ids):
+                return "stop"
+            if sp.stop and self.tokenizer is not None:
+                tail = self.tokenizer.decode(s.out[-32:])
+                if any(tail.endswith(x) for x in sp.stop):
+                    return "stop"
+        if len(s.out) >= sp.max_tokens or len(s.prompt) + len(s.out) >= self.max_len:
+            return "length"
+        return None
+
+    def _finish(self, s: _Seq, reason: str) -> SeqResult:
+        self._by_id.pop(s.seq_id, None)
+        return self._result(s, reason)
+
+    def _result(self, s: _Seq, reason: str) -> SeqResult:
+        return SeqResult(
+            seq_id=s.seq_id,
+            prompt_ids=list(s.prompt),
+            token_ids=list(s.out),
+            logprobs=list(s.logprobs),
+            finish_reason=reason,  # type: ignore[arg-type]
+            version=s.version,
+        )
+
+
+def generate_all(
+    engine: HFEngine, prompts: list[list[int]], sampling: SamplingParams, first_id: int = 0
+) -> list[SeqResult]:
+    """Convenience: run `prompts` to completion; results in prompt order."""
+    for i, p in enumerate(prompts):
+        engine.add(first_id + i, p, sampling=sampling)
+    out: dict[int, SeqResult] = {}
+    while engine.has_unfinished():
+        for r in engine.step():
+            out[r.seq_id] = r
+    return [out[first_id + i] for i in range(len(prompts))]

@@ -1,0 +1,378 @@
+"""The `megatron` TrainEngine: megatron-core GPTModel (local spec) trained with GRPO.
+
+Model: `megatron_model.build_gpt_model`, wrapped in megatron's DistributedDataParallel
+(gradients land in contiguous `main_grad` buffers, reduced over data parallelism).
+Optimizer: a plain torch AdamW over the wrapped parameters (megatron's own optimizer
+hard-codes CUDA and its distributed optimizer does not run on CPU; PLATFORM.md); the
+gradient norm is computed tensor-parallel aware. Checkpoints: megatron
+dist_checkpointing, with the optimizer state sharded like the parameters it belongs to,
+so a checkpoint loads under another TP size too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pivot_hpc.engines.base import Tensors, TrainBatch
+from pivot_hpc.engines.convert import hf_to_megatron, megatron_to_hf
+from pivot_hpc.engines.megatron_model import (
+    build_gpt_model,
+    causal_mask,
+    init_distributed,
+    position_ids,
+)
+from pivot_hpc.models.config import ModelConfig
+from pivot_hpc.rl.config import GRPOConfig, TrainerConfig
+from pivot_hpc.rl.grpo import ppo_clip_loss, sft_loss
+
+PAD_ID = 0
+
+
+class MegatronTrainEngine:
+    """One training rank. All ranks of the training group construct it and call every
+    method collectively (tensor-parallel collectives run inside)."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        trainer: TrainerConfig | None = None,
+        grpo: GRPOConfig | None = None,
+    ) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+
+        self.model_cfg = model_cfg
+        self.cfg = trainer or TrainerConfig()
+        self.grpo = grpo or GRPOConfig()
+        init_distributed(self.cfg.tp)
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp = parallel_state.get_data_parallel_world_size()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed)
+            gpt = build_gpt_model(model_cfg, self.tp)
+        self.model = DistributedDataParallel(
+            config=gpt.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False
+            ),
+            module=gpt,
+        )
+        self.gpt = gpt
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.cfg.lr,
+            betas=tuple(self.cfg.betas),
+            eps=self.cfg.eps,
+            weight_decay=self.cfg.weight_decay,
+        )
+        self.device = self.params[0].device
+        self.version = 0
+        self.steps = 0
+        self._host_optimizer_state: dict | None = None
+
+    # ----------------------------------------------------------------- weights
+    def load_weights(self, tensors: Tensors) -> None:
+        """Canonical HF tensors → this rank's shard, copied into the parameters in place."""
+        shard = hf_to_megatron(tensors, self.model_cfg, self.tp_rank, self.tp)
+        own = dict(self.gpt.named_parameters())
+        missing = set(own) - set(shard)
+        if missing:
+            raise KeyError(f"load_weights: no tensors for {sorted(missing)[:4]}…")
+        with torch.no_grad():
+            for name, p in own.items():
+                p.copy_(shard[name].to(p.dtype))
+
+    def export_weights(self) -> Tensors:
+        """Canonical HF tensors on every rank (shards all-gathered over tensor parallelism)."""
+        own = {k: v.detach().cpu() for k, v in self.gpt.named_parameters()}
+        if self.tp == 1:
+            return megatron_to_hf([own], self.model_cfg)
+        shards: list[Tensors] = [{} for _ in range(self.tp)]
+        for name, t in own.items():
+            parts = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+            for r in range(self.tp):
+                shards[r][name] = parts[r]
+        return megatron_to_hf(shards, self.model_cfg)
+
+    def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [b, s, V] (gathered over TP) — for conversion checks."""
+        self.model.eval()
+        with torch.no_grad():
+            b, s = ids.shape
+            logits = self.model(
+                ids.to(self.device), position_ids(b, s, self.device), causal_mask(s, self.device)
+            )
+            if self.tp > 1:
+                parts = [torch.empty_like(logits) for _ in range(self.tp)]
+                dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
+                logits = torch.cat(parts, dim=-1)
+        return logits.float().cpu()
+
+    # ------------------------------------------------------------ log-probs
+    def _pack(self, batch: TrainBatch, rows: range) -> dict[str, torch.Tensor]:
+        """Right-padded tokens, next-token labels and a mask on response positions."""
+        seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
+        s = max(len(x) for x in seqs)
+        b = len(seqs)
+        ids = torch.full((b, s), PAD_ID, dtype=torch.long)
+        labels = torch.full((b, s), PAD_ID, dtype=torch.long)
+        mask = torch.zeros(b, s)
+        old = torch.zeros(b, s)
+        ref = torch.zeros(b, s)
+        for j, i in enumerate(rows):
+            seq = seqs[j]
+            p, r = len(batch.prompt_ids[i]), len(batch.response_ids[i])
+            ids[j, : len(seq)] = torch.tensor(seq)
+            labels[j, : len(seq) - 1] = torch.tensor(seq[1:])
+            # position t predicts token t+1: response tokens are predicted at p-1 … p+r-2
+            mask[j, p - 1 : p + r - 1] = 1.0
+            if batch.old_logprobs is not None:
+                old[j, p - 1 : p + r - 1] = torch.tensor(batch.old_logprobs[i][:r])
+            if batch.ref_logprobs is not None:
+                ref[j, p - 1 : p + r - 1] = torch.tensor(batch.ref_logprobs[i][:r])
+        adv = torch.tensor([batch.advantages[i] for i in rows]) if batch.advantages else None
+        out = {"ids": ids, "labels": labels, "mask": mask, "old": old, "ref": ref}
+        if adv is not None:
+            out["adv"] = adv
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    def _logprobs(
+        self, ids: torch.Tensor, labels: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+
+        b, s = ids.shape
+        logits = self.model(ids, position_ids(b, s, self.device), causal_mask(s, self.device))
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        # [b, s, V/tp] → [s, b, V/tp]: megatron's layout; the op edits its input in place.
+        ce = tensor_parallel.vocab_parallel_cross_entropy(
+            logits.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous()
+        )
+        return -ce.transpose(0, 1)
+
+    def _micro_batches(self, n: int) -> Iterator[range]:
+        mb = self.cfg.micro_batch_size
+        for start in range(0, n, mb):
+            yield range(start, min(n, start + mb))
+
+    def compute_logprobs(
+        self, batch: TrainBatch, temperature: float | None = None
+    ) -> list[list[float]]:
+        """Per-token logprobs of each response under the current weights."""
+        t = self.grpo.temperature if temperature is None else temperature
+        self.model.eval()
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for rows in self._micro_batches(len(batch)):
+                packed = self._pack(batch, rows)
+                lp = self._logprobs(packed["ids"], packed["labels"], t).cpu()
+                for j, i in enumerate(rows):
+                    p, r = len(batch.prompt_ids[i]), len(batch.response_ids[i])
+                    out.append(lp[j, p - 1 : p + r - 1].tolist())
+        return out
+
+    # ------------------------------------------------------------ training
+    def _global_tokens(self, batch: TrainBatch) -> float:
+        n = torch.tensor([float(sum(len(r) for r in batch.response_ids))])
+        if self.dp > 1:
+            dist.all_reduce(n, group=self.dp_group)
+        return float(n.item())
+
+    def _grad_norm(self) -> float:
+        """L2 norm of the full (unsharded) gradient: TP-sharded parts summed over ranks."""
+        sharded = torch.zeros(1, dtype=torch.float64)
+        replicated = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum().cpu()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        return float((sharded + replicated).sqrt().item())
+
+    def _lr(self) -> float:
+        w = self.cfg.warmup_steps
+        return self.cfg.lr * min(1.0, (self.steps + 1) / w) if w > 0 else self.cfg.lr
+
+    def train_step(self, batch: TrainBatch, loss: str = "grpo") -> dict[str, float]:
+        """One optimizer step. loss="grpo": PPO-clip with `batch.advantages` against
+        `batch.old_logprobs` (the rollout's); loss="sft": NLL of the responses."""
+        if loss not in ("grpo", "sft"):
+            raise ValueError(f"train_step: loss={loss!r}; valid: 'grpo', 'sft'")
+        if loss == "grpo" and (batch.old_logprobs is None or not batch.advantages):
+            raise ValueError("train_step(grpo): the batch needs advantages and old_logprobs")
+        if self._host_optimizer_state is not None:
+            self.reload_optimizer()
+        self.model.train()
+        self.model.zero_grad_buffer()
+        g = self.grpo
+        total = self._global_tokens(batch)
+        # megatron's DDP averages gradients over data-parallel ranks; scale back so the
+        # loss is a token-level mean over the global batch.
+        norm = total / self.dp
+        sums: dict[str, float] = {}
+        for rows in self._micro_batches(len(batch)):
+            pk = self._pack(batch, rows)
+            temp = g.temperature if loss == "grpo" else 1.0
+            lp = self._logprobs(pk["ids"], pk["labels"], temp)
+            if loss == "sft":
+                value = sft_loss(lp, pk["mask"], normalizer=norm)
+                parts = {"nll_sum": -(lp.detach() * pk["mask"]).sum(), "tokens": pk["mask"].sum()}
+            else:
+                value, parts = ppo_clip_loss(
+                    lp,
+                    pk["old"],
+                    pk["adv"],
+                    pk["mask"],
+                    clip_low=g.clip_low,
+                    clip_high=g.clip_high,
+                    dual_clip=g.dual_clip,
+                    kl_coef=g.kl_coef,
+                    ref_logprobs=pk["ref"] if batch.ref_logprobs is not None else None,
+                    normalizer=norm,
+                )
+            value.backward()
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        self.model.finish_grad_sync()
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype) if p.main_grad.dtype != p.dtype else p.main_grad
+        grad_norm = self._grad_norm()
+        if self.cfg.grad_clip > 0 and math.isfinite(grad_norm) and grad_norm > self.cfg.grad_clip:
+            scale = self.cfg.grad_clip / (grad_norm + 1e-6)
+            for p in self.params:
+                p.grad.mul_(scale)
+        lr = self._lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        self.steps += 1
+        self.version += 1
+        tok = max(sums.pop("tokens", 0.0), 1.0)
+        metrics = {k.removesuffix("_sum"): v / tok for k, v in sums.items()}
+        metrics.update(grad_norm=grad_norm, lr=lr, tokens=tok, sequences=float(len(batch)))
+        if batch.versions:
+            metrics["staleness"] = sum(self.version - 1 - v for v in batch.versions) / len(batch)
+        return metrics
+
+    # ------------------------------------------------------ optimizer offload
+    def offload_optimizer(self) -> None:
+        """Optimizer state → host memory (pinned when a GPU exists); device copies freed."""
+        if self._host_optimizer_state is not None:
+            return
+        pin = torch.cuda.is_available()
+        host: dict = {}
+        for p in self.params:
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            host[id(p)] = {
+                k: (v.detach().to("cpu", copy=True).pin_memory() if pin else v.detach().clone())
+                if torch.is_tensor(v)
+                else v
+                for k, v in st.items()
+            }
+        self.optimizer.state.clear()
+        self._host_optimizer_state = host
+
+    def reload_optimizer(self) -> None:
+        host = self._host_optimizer_state
+        if host is None:
+            return
+        for p in self.params:
+            if id(p) in host:
+                self.optimizer.state[p] = {
+                    k: v.to(p.device if k != "step" else v.device, copy=True)
+                    if torch.is_tensor(v)
+                    else v
+                    for k, v in host[id(p)].items()
+                }
+        self._host_optimizer_state = None
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return self._host_optimizer_state is not None
+
+    # ------------------------------------------------------------ checkpoints
+    def _init_optimizer_state(self) -> None:
+        for p in self.params:
+            if not self.optimizer.state.get(p):
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+
+    def _sharded_state_dict(self) -> dict:
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        self.reload_optimizer()
+        self._init_optimizer_state()
+        model_sd = self.gpt.sharded_state_dict()
+        id_map = get_param_id_to_sharded_param_map(model_sd, self.params)
+        opt_sd = self.optimizer.state_dict()
+        steps = {int(v["step"].item()) for v in opt_sd["state"].values()}
+        if len(steps) > 1:
+            raise RuntimeError(f"parameters have different optimizer steps {steps}")
+        optim_state_to_sharding_state(opt_sd, id_map, exclude_keys=("step",))
+        return {
+            "model": model_sd,
+            "optimizer": opt_sd,
+            "engine": {
+                "optimizer_step": steps.pop() if steps else 0,
+                "steps": self.steps,
+                "version": self.version,
+            },
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Megatron distributed checkpoint of model + optimizer (collective)."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(), str(path))
+        dist.barrier()
+
+    def load(self, path: str | Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        template = self._sharded_state_dict()
+        state = dist_checkpointing.load(template, str(path))
+        missing, _ = self.gpt.load_state_dict(state["model"], strict=False)
+        real_missing = [k for k in missing if not k.endswith("_extra_state")]
+        if real_missing:
+            raise KeyError(f"checkpoint {path} lacks {real_missing[:4]}")
+        opt = state["optimizer"]
+        step = torch.tensor(float(state["engine"]["optimizer_step"]))
+        for st in opt["state"].values():
+            st["step"] = step.clone()
+        self.optimizer.load_state_dict(opt)
+        self.steps = int(state["engine"]["steps"])
+        self.version = int(state["engine"]["version"])

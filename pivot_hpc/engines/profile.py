@@ -1,0 +1,138 @@
+"""Profiling an inference engine: fit the throughput model constants (A, B, C, D).
+
+Sweep (batch size N_seq × context length): fill a fresh engine with N_seq sequences of
+that context, then time several decode steps; one sample per grid point is the median
+step latency with its N_seq and N_tok (tokens in the KV cache during the step). Every
+4th grid point (a checkerboard over the grid) is held out; the fit uses the rest, and
+the report gives R² and the median relative error on both. Result: a small YAML file
+that `load_profile` / `apply_profiles` put into `rollout.throughput` / `reward.throughput`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from pivot_hpc.config.schema import ThroughputConfig
+from pivot_hpc.engines.base import SamplingParams
+from pivot_hpc.engines.hf_engine import HFEngine
+from pivot_hpc.scheduler.throughput import FitReport, evaluate_fit, fit_throughput_model
+
+
+@dataclass(slots=True)
+class Sample:
+    latency_s: float
+    n_seq: int
+    n_tok: int
+    held_out: bool
+
+
+@dataclass(slots=True)
+class ProfileResult:
+    fit: FitReport  # on the fitting points
+    held_out: FitReport  # the same model on the held-out points
+    samples: list[Sample]
+
+
+def sweep(
+    model,
+    batch_sizes: list[int],
+    context_lens: list[int],
+    steps: int = 5,
+    seed: int = 0,
+    progress=None,
+) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = min(model.config.vocab_size, 99)
+    out: list[Sample] = []
+    grid = [(b, c) for b in batch_sizes for c in context_lens]
+    for k, (b, c) in enumerate(grid):
+        i, j = batch_sizes.index(b), context_lens.index(c)
+        engine = HFEngine(
+            model,
+            kv_capacity_tokens=b * (c + steps + 4),
+            max_batch=b,
+            max_seq_len=c + steps + 4,
+            num_threads=None,
+        )
+        sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+        for s in range(b):
+            engine.add(s, torch.randint(3, vocab, (c,), generator=g).tolist(), sampling=sp)
+        engine.step()  # prefill + first decode (warms the KV buffers)
+        lat, tok = [], []
+        for _ in range(steps):
+            st = engine.stats()
+            if st.running < b:
+                break
+            tok.append(st.tokens_in_cache + st.running)  # K/V read during the step
+            engine.step()
+            lat.append(engine.stats().last_step_s)
+        engine.abort_all()
+        out.append(Sample(statistics.median(lat), b, int(statistics.median(tok)), (i + j) % 4 == 3))
+        if progress is not None:
+            progress(k + 1, len(grid))
+    return out
+
+
+def fit_samples(samples: list[Sample]) -> ProfileResult:
+    train = [s for s in samples if not s.held_out]
+    test = [s for s in samples if s.held_out] or train
+    fit = fit_throughput_model(
+        [s.latency_s for s in train], [s.n_seq for s in train], [s.n_tok for s in train]
+    )
+    held = evaluate_fit(
+        fit.model, [s.latency_s for s in test], [s.n_seq for s in test], [s.n_tok for s in test]
+    )
+    return ProfileResult(fit=fit, held_out=held, samples=samples)
+
+
+def write_profile(path: Path, result: ProfileResult, *, engine: str, model: str, role: str) -> Path:
+    m = result.fit.model
+    doc = {
+        "engine": engine,
+        "model": model,
+        "role": role,
+        "throughput": {"A": m.A, "B": m.B, "C": m.C, "D": m.D},
+        "fit": {
+            "r2": result.fit.r2,
+            "median_rel_error": result.fit.median_rel_error,
+            "held_out_r2": result.held_out.r2,
+            "held_out_median_rel_error": result.held_out.median_rel_error,
+            "samples": result.fit.samples,
+            "held_out_samples": result.held_out.samples,
+        },
+        "samples": [
+            {"latency_s": s.latency_s, "n_seq": s.n_seq, "n_tok": s.n_tok, "held_out": s.held_out}
+            for s in result.samples
+        ],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(path: str | Path) -> ThroughputConfig:
+    """The fitted constants of a profile file, as a role's `throughput` config section."""
+    doc = yaml.safe_load(Path(path).read_text())
+    t = doc["throughput"]
+    tc = ThroughputConfig(A=float(t["A"]), B=float(t["B"]), C=float(t["C"]), D=float(t["D"]))
+    tc.validate(f"{path}:throughput")
+    return tc
+
+
+def apply_profiles(cfg) -> None:
+    """Set `cfg.rollout.throughput` / `cfg.reward.throughput` from the profile files named
+    by `engines.<role>.throughput_profile` (call once after `load_config`)."""
+    engines = getattr(cfg, "engines", None)
+    if engines is None:
+        return
+    for role in ("rollout", "reward"):
+        prof = getattr(engines, role).throughput_profile
+        if prof is not None:
+            getattr(cfg, role).throughput = load_profile(prof)

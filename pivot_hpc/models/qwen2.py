@@ -1,0 +1,60 @@
+"""Create a tiny Qwen2 `transformers` model from a ModelConfig (random init, offline)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from pivot_hpc.models.config import ModelConfig
+from pivot_hpc.models.tokenizer import build_tokenizer
+
+
+def hf_config(cfg: ModelConfig) -> Qwen2Config:
+    tok = build_tokenizer()
+    return Qwen2Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.initializer_range,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+    )
+
+
+def create_model(cfg: ModelConfig, seed: int = 0) -> Qwen2ForCausalLM:
+    """A randomly initialised model; the same seed gives the same weights."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(hf_config(cfg))
+    model.eval()
+    return model
+
+
+def model_config_of(model: Qwen2ForCausalLM) -> ModelConfig:
+    """The ModelConfig that describes an existing HF model."""
+    c = model.config
+    return ModelConfig(
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        intermediate_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_theta=float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]),
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=bool(c.tie_word_embeddings),
+        initializer_range=c.initializer_range,
+    )

@@ -1,0 +1,215 @@
+"""The real `Cluster`: coordinator actions become MPI messages to worker ranks, and worker
+messages become the coordinator's events (the same events the simulator produces).
+
+Replica "<role>:<slot>" with tp GPUs maps to the worker ranks of those GPUs; the `hf`
+engine serves a replica on one rank (tp = 1). "training" is the fixed training set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+from mpi4py import MPI
+
+from pivot_hpc.coordinator.events import (
+    SequenceFinished,
+    ShiftDone,
+    TrainingDone,
+    WeightsUpdated,
+)
+from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.errors import PivotError
+from pivot_hpc.planner.snapshot import TRAINING, Topology, role_of
+from pivot_hpc.runtime.protocol import CMD, EVT
+from pivot_hpc.runtime.world import Layout
+
+
+class WorkerFailed(PivotError, RuntimeError):
+    """A worker rank raised; its traceback is in the message."""
+
+
+class LiveCluster:
+    def __init__(self, comm, layout: Layout, topology: Topology, samples) -> None:
+        self.comm = comm
+        self.layout = layout
+        self.topology = topology
+        self.samples = samples
+        self.t0 = time.monotonic()
+        self.training_ranks = [layout.rank_of_gpu(g) for g in topology.training_gpus]
+        self.rank_of: dict[str, list[int]] = {}  # replica -> its worker ranks
+        self.role_of_rank: dict[int, str] = {}
+        self.version_of: dict[str, int] = {}
+        self._pending: list = []
+        # Finishes not yet handled by the coordinator: an abort that comes too late finds
+        # its sequence's finish here (`take_finished`).
+        self._held: dict[tuple[str, int], SequenceFinished] = {}
+        self._delivered: list[SequenceFinished] = []
+        self._lengths: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> seq -> length
+        self._where: dict[tuple[str, int], int] = {}  # (role, seq) -> rank
+        self._partial: dict[tuple[str, int], object] = {}  # aborted SeqResult, to resume
+        self._shift_acks: dict[str, list[dict]] = defaultdict(list)
+        self._trained: dict[int, list[dict]] = defaultdict(list)
+        self._tokens = {"rollout": 0, "reward": 0}
+        self._window = {"rollout": (0.0, 0), "reward": (0.0, 0)}
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _ranks(self, rid: str) -> list[int]:
+        if rid == TRAINING:
+            return self.training_ranks
+        return [self.layout.rank_of_gpu(g) for g in self.topology.gpus_of(rid)]
+
+    def _send(self, rank: int, msg: tuple) -> None:
+        self.comm.send(msg, dest=rank, tag=CMD)
+
+    # ------------------------------------------------------------- actions
+    def shift_up(self, rid: str, version: int) -> None:
+        ranks = self._ranks(rid)
+        role = role_of(rid)
+        if role != TRAINING and len(ranks) != 1:
+            raise PivotError(f"{rid}: the hf engine serves one rank per replica (tp=1)")
+        self.rank_of[rid] = ranks
+        for r in ranks:
+            self.role_of_rank[r] = rid
+            self._send(r, ("up", role, version))
+
+    def shift_down(self, rid: str) -> None:
+        for r in self.rank_of[rid]:
+            self._send(r, ("down",))
+
+    def start(self, rid: str, sample: Sample, role: str) -> None:
+        (rank,) = self.rank_of[rid]
+        pl = sample.payload
+        partial = self._partial.pop((role, sample.sample_id), None)
+        gen = list(partial.token_ids) if partial is not None else []
+        lps = list(partial.logprobs) if partial is not None else []
+        prompt = pl.prompt_ids if role == "rollout" else pl.judge_ids
+        sampling = (
+            self.samples.rollout_sampling if role == "rollout" else self.samples.judge_sampling
+        )
+        self._where[(role, sample.sample_id)] = rank
+        self._send(rank, ("start", sample.sample_id, prompt, gen, lps, sampling))
+
+    def abort(self, rid: str, seq_id: int) -> int | None:
+        (rank,) = self.rank_of[rid]
+        role = role_of(rid)
+        self._send(rank, ("abort", seq_id))
+        while True:  # the worker replies in order: buffer what it sent before the reply
+            msg = self.comm.recv(source=rank, tag=EVT)
+            if msg[0] == "aborted" and msg[1] == seq_id:
+                res = msg[2]
+                self._where.pop((role, seq_id), None)
+                if res is None:
+                    return None
+                self._partial[(role, seq_id)] = res
+                self._count(role, 0)
+                return len(res.prompt_ids) + len(res.token_ids)
+            self._convert(msg, rank)
+
+    def take_finished(self, role: str, seq_id: int) -> SequenceFinished:
+        ev = self._held.pop((role, seq_id))
+        if ev in self._pending:
+            self._pending.remove(ev)
+        return ev
+
+    def update_weights(self, rid: str, version: int) -> None:
+        for r in self.rank_of[rid]:
+            self._send(r, ("update", version))
+
+    def train(self, step: int, samples: Sequence[Sample]) -> None:
+        batch = self.samples.batch(list(samples))
+        for r in self.training_ranks:
+            self._send(r, ("train", step, batch))
+
+    def lengths(self, role: str) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for (r_role, seq_id), rank in self._where.items():
+            if r_role == role and seq_id in self._lengths[rank]:
+                out[seq_id] = self._lengths[rank][seq_id]
+        return out
+
+    def prefill_time(self, role: str, tokens: int) -> float:
+        return 0.0  # the hf engine does not report re-prefill time separately
+
+    def measured_throughput(self, role: str) -> float:
+        t0, tok0 = self._window[role]
+        now, tok = self.now(), self._tokens[role]
+        self._window[role] = (now, tok)
+        return (tok - tok0) / (now - t0) if now > t0 else 0.0
+
+    def _count(self, role: str, n: int) -> None:
+        self._tokens[role] += n
+
+    def stop(self) -> None:
+        """End every other rank's loop (workers and the other nodes' host ranks)."""
+        for r in range(1, self.comm.Get_size()):
+            self._send(r, ("stop",))
+
+    # -------------------------------------------------------------- events
+    def poll(self, until: float) -> list:
+        # Finishes delivered by the previous poll have been handled by now.
+        for ev in self._delivered:
+            self._held.pop((ev.role, ev.seq_id), None)
+        self._delivered = []
+        backoff = 1e-3
+        status = MPI.Status()
+        while True:
+            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=EVT, status=status):
+                src = status.Get_source()
+                self._convert(self.comm.recv(source=src, tag=EVT), src)
+            if self._pending or self.now() >= until:
+                out, self._pending = self._pending, []
+                self._delivered = [e for e in out if isinstance(e, SequenceFinished)]
+                return out
+            time.sleep(min(backoff, max(0.0, until - self.now())))
+            backoff = min(backoff * 2, 0.02)
+
+    def _convert(self, msg: tuple, rank: int) -> None:
+        kind = msg[0]
+        t = self.now()
+        rid = self.role_of_rank.get(rank)
+        if kind == "error":
+            raise WorkerFailed(f"worker {msg[1]}")
+        if kind == "finished":
+            role = role_of(rid)
+            for res in msg[1]:
+                ev = SequenceFinished(
+                    t,
+                    role,
+                    rid,
+                    res.seq_id,
+                    len(res.prompt_ids) + len(res.token_ids),
+                    len(res.token_ids),
+                    res,
+                )
+                self._where.pop((role, res.seq_id), None)
+                self._lengths[rank].pop(res.seq_id, None)
+                self._count(role, len(res.token_ids))
+                self._held[(role, res.seq_id)] = ev
+                self._pending.append(ev)
+        elif kind == "lengths":
+            self._lengths[rank] = msg[1]
+        elif kind == "shift":
+            acks = self._shift_acks[rid]
+            acks.append(msg[2])
+            if len(acks) == len(self.rank_of[rid]):
+                phases = {k: max(a.get(k, 0.0) for a in acks) for a in acks for k in a}
+                del self._shift_acks[rid]
+                if msg[1] == "down":
+                    for r in self.rank_of.pop(rid):
+                        self.role_of_rank.pop(r, None)
+                self._pending.append(ShiftDone(t, rid, msg[1], phases))
+        elif kind == "weights":
+            self._pending.append(WeightsUpdated(t, rid, msg[1]))
+        elif kind == "trained":
+            done = self._trained[msg[1]]
+            done.append(msg[2])
+            if len(done) == len(self.training_ranks):
+                del self._trained[msg[1]]
+                metrics = next(m for m in done if m.get("version") is not None)
+                self._pending.append(TrainingDone(t, msg[1], metrics))
+        else:
+            raise WorkerFailed(f"unexpected message {kind!r} from rank {rank}")

@@ -1,0 +1,92 @@
+"""Live samples: prompts from the dataset, responses from the policy, judgements from the GenRM.
+
+The rollout of a sample generates a response; its reward sequence is the GenRM prompt
+built from question + response (+ reference answer when configured); the final reward is
+R = w_v·R_verifiable (math-verify) + w_g·R_GenRM (parsed score), as in §8.1.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.data.problem import Problem
+from pivot_hpc.engines.base import SamplingParams, SeqResult, TrainBatch
+from pivot_hpc.models.sft import encode_prompt
+from pivot_hpc.rl.config import RLConfig
+from pivot_hpc.rl.grpo import group_advantages
+from pivot_hpc.rl.rewards import GenRMStats, genrm_prompt, genrm_rewards, verifiable_reward
+
+
+@dataclass(slots=True)
+class LivePayload:
+    problem: Problem
+    prompt_ids: list[int]
+    response: SeqResult | None = None
+    judge_ids: list[int] = field(default_factory=list)
+    judgement: str = ""
+
+
+class LiveSamples:
+    """A `SampleSource` over a problem list (data cursor order, deterministic for a seed)."""
+
+    def __init__(self, problems: list[Problem], tok, cfg: RLConfig, seed: int = 0) -> None:
+        if not problems:
+            raise ValueError("no training problems: check rl.data.train")
+        self.problems = problems
+        self.tok = tok
+        self.cfg = cfg
+        self.order = list(range(len(problems)))
+        random.Random(seed).shuffle(self.order)
+        self.genrm_stats = GenRMStats()
+        self.rollout_sampling = SamplingParams(
+            temperature=cfg.grpo.temperature,
+            max_tokens=cfg.max_response_tokens,
+            stop_token_ids=(tok.eos_token_id,),
+        )
+        self.judge_sampling = SamplingParams(
+            temperature=cfg.reward.genrm_temperature,
+            max_tokens=cfg.reward.genrm_max_tokens,
+            stop_token_ids=(tok.eos_token_id,),
+        )
+
+    def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample:
+        p = self.problems[self.order[prompt_index % len(self.order)]]
+        ids = encode_prompt(self.tok, p.prompt)
+        return Sample(sample_id, step, prompt_index, group, len(ids), LivePayload(p, ids))
+
+    def text(self, ids: list[int]) -> str:
+        return self.tok.decode([t for t in ids if t != self.tok.eos_token_id])
+
+    def on_rollout(self, s: Sample, generated: int, result: Any) -> int:
+        """Keep the response; build the GenRM prompt; return the reward context length."""
+        pl: LivePayload = s.payload
+        pl.response = result
+        p = pl.problem
+        ref = p.answer if self.cfg.reward.genrm_reference else None
+        text = genrm_prompt(p.question or p.prompt, self.text(result.token_ids), ref)
+        pl.judge_ids = encode_prompt(self.tok, text)
+        return len(pl.judge_ids)
+
+    def reward(self, s: Sample, result: Any) -> tuple[float, float]:
+        pl: LivePayload = s.payload
+        pl.judgement = self.text(result.token_ids)
+        rc = self.cfg.reward
+        rv = verifiable_reward(self.text(pl.response.token_ids), pl.problem.answer, rc)
+        (rg,) = genrm_rewards([pl.judgement], rc, self.genrm_stats)
+        return rc.verifiable_weight * rv, rc.genrm_weight * rg
+
+    def batch(self, samples: list[Sample]) -> TrainBatch:
+        rewards = [s.reward for s in samples]
+        adv = group_advantages(
+            rewards, [s.prompt_index for s in samples], normalize_std=self.cfg.grpo.normalize_std
+        )
+        return TrainBatch(
+            prompt_ids=[s.payload.prompt_ids for s in samples],
+            response_ids=[s.payload.response.token_ids for s in samples],
+            advantages=adv,
+            old_logprobs=[s.payload.response.logprobs for s in samples],
+            versions=[s.payload.response.version for s in samples],
+        )

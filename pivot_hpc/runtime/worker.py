@@ -1,0 +1,205 @@
+"""A worker rank: serves coordinator commands and steps the engine of its current role.
+
+Role shifting follows the four context categories of §5.2:
+- temporary (KV cache): discarded on shift down, re-allocated lazily on shift up;
+- parameters: discarded on shift down, Read from GPS on shift up;
+- offloadable (optimizer state): offloaded to host memory on shift down, reloaded on up;
+- preserved (the engine objects, torch.distributed groups): kept across shifts.
+Each phase is timed and reported with the shift.
+
+An idle worker polls with exponential back-off (1 ms → 50 ms) instead of a blocking
+receive, which OpenMPI implements by spinning a core.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from pivot_hpc.runtime.protocol import CMD, EVT
+
+LENGTHS_EVERY_S = 0.5
+
+
+class Worker:
+    def __init__(self, comm, gps, cfg, policy_dir, genrm_dir, training_ranks: list[int]) -> None:
+        self.comm = comm
+        self.gps = gps
+        self.cfg = cfg
+        self.dirs = {"rollout": policy_dir, "reward": genrm_dir}
+        self.training_ranks = training_ranks
+        self.engines: dict[str, Any] = {}
+        self.trainer = None
+        self.role: str | None = None
+        self._last_lengths = 0.0
+        self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
+
+    def prepare(self) -> None:
+        """Build the preserved context once: both engines (weights released until a shift
+        up reads them from GPS) and, on training ranks, the trainer and its process group."""
+        for role in ("rollout", "reward"):
+            engine = self.engines[role] = self._make_engine(role)
+            engine.release_memory(weights=True)
+        if self.comm.Get_rank() in self.training_ranks:
+            self.trainer = self._make_trainer()
+            self.trainer.offload_optimizer()
+
+    # ----------------------------------------------------------------- loop
+    def serve(self) -> None:
+        backoff = 1e-3
+        while True:
+            busy = False
+            while self.comm.Iprobe(source=0, tag=CMD):
+                msg = self.comm.recv(source=0, tag=CMD)
+                if msg[0] == "stop":
+                    return
+                self.handle(msg)
+                busy = True
+            engine = self.engines.get(self.role) if self.role in ("rollout", "reward") else None
+            if engine is not None and engine.has_unfinished():
+                done = engine.step()
+                if done:
+                    self.send(("finished", done))
+                now = time.monotonic()
+                if now - self._last_lengths > LENGTHS_EVERY_S:
+                    self._last_lengths = now
+                    self.send(("lengths", engine.seq_lengths()))
+                busy = True
+            if busy:
+                backoff = 1e-3
+            else:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.05)
+
+    def send(self, msg: tuple) -> None:
+        self.comm.send(msg, dest=0, tag=EVT)
+
+    # ------------------------------------------------------------- commands
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if self.fault and self.fault.split("@")[0] == kind:
+            target = self.fault.partition("@")[2]
+            if not target or int(target) == self.comm.Get_rank():
+                raise RuntimeError(f"injected fault on {kind!r} (PIVOT_HPC_FAULT)")
+        if kind == "up":
+            self.shift_up(msg[1], msg[2])
+        elif kind == "down":
+            self.shift_down()
+        elif kind == "start":
+            _, seq_id, prompt, gen, logprobs, sampling = msg
+            self.engines[self.role].add(seq_id, prompt, gen or None, sampling, logprobs or None)
+        elif kind == "abort":
+            engine = self.engines[self.role]
+            try:
+                res = engine.abort(msg[1])
+            except KeyError:
+                res = None  # finished before the abort arrived: already reported
+            self.send(("aborted", msg[1], res))
+        elif kind == "update":
+            t0 = time.perf_counter()
+            tensors, version = self.gps.read("policy", [self.comm.Get_rank()], _tp1(), device="cpu")
+            self.engines["rollout"].load_weights(tensors, version)
+            self.send(("weights", version, time.perf_counter() - t0))
+        elif kind == "train":
+            self.train(msg[1], msg[2])
+        else:
+            raise ValueError(f"worker: unknown command {kind!r}")
+
+    def shift_up(self, role: str, version: int) -> None:
+        phases: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if role == "training":
+            self.trainer.reload_optimizer()
+            phases["reload_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            tensors, got = self.gps.read("policy", [self.comm.Get_rank()], _tp1(), device="cpu")
+            if got != version:  # training must start from the latest policy
+                raise RuntimeError(f"training read policy v{got} from GPS, expected v{version}")
+            self.trainer.load_weights(tensors)
+            phases["read_s"] = time.perf_counter() - t1
+        else:
+            engine = self.engines[role]
+            engine.resume_memory()
+            phases["reload_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            model = "policy" if role == "rollout" else "genrm"
+            tensors, got = self.gps.read(model, [self.comm.Get_rank()], _tp1(), device="cpu")
+            if model == "policy" and got < version:
+                raise RuntimeError(f"rollout read policy v{got} from GPS, expected >= v{version}")
+            engine.load_weights(tensors, got)
+            phases["read_s"] = time.perf_counter() - t1
+        self.role = role
+        self.send(("shift", "up", phases))
+
+    def shift_down(self) -> None:
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        if self.role == "training":
+            self.trainer.offload_optimizer()
+            phases["offload_s"] = time.perf_counter() - t0
+        elif self.role is not None:
+            self.engines[self.role].release_memory(weights=True)
+            phases["discard_s"] = time.perf_counter() - t0
+        self.role = None
+        self.send(("shift", "down", phases))
+
+    def train(self, step: int, batch) -> None:
+        metrics = self.trainer.train_step(batch)
+        metrics.setdefault("loss", metrics.get("pg_loss", float("nan")))
+        t0 = time.perf_counter()
+        weights = self.trainer.export_weights()  # full canonical tensors (gathered over TP)
+        version = None
+        if self.comm.Get_rank() == self.training_ranks[0]:  # one full copy suffices
+            shards = {k: v.detach().contiguous() for k, v in weights.items()}
+            version = self.gps.write("policy", self.training_ranks[:1], _tp1(), shards)
+        metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
+        self.send(("trained", step, metrics))
+
+    # ------------------------------------------------------------- builders
+    def _make_engine(self, role: str):
+        from pivot_hpc.engines.hf_engine import HFEngine
+        from pivot_hpc.models.zoo import load_model
+
+        model, tok = load_model(self.dirs[role])
+        ec = getattr(self.cfg.engines, role)
+        return HFEngine(
+            model,
+            kv_capacity_tokens=getattr(self.cfg, role).kv_capacity_tokens,
+            max_batch=ec.max_batch,
+            eos_token_id=tok.eos_token_id,
+            num_threads=1,
+            seed=self.cfg.rl.trainer.seed + self.comm.Get_rank(),
+        )
+
+    def _make_trainer(self):
+        import os
+
+        from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+        from pivot_hpc.models.qwen2 import model_config_of
+        from pivot_hpc.models.zoo import load_model
+
+        model, _ = load_model(self.dirs["rollout"])
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["RANK"] = str(self.training_ranks.index(self.comm.Get_rank()))
+        os.environ["WORLD_SIZE"] = str(len(self.training_ranks))
+        torch.set_num_threads(1)
+        return MegatronTrainEngine(model_config_of(model), self.cfg.rl.trainer, self.cfg.rl.grpo)
+
+
+def _tp1():
+    from pivot_hpc.gps import Parallelism
+
+    return Parallelism(tp=1, pp=1, dp=1)
+
+
+def report_error(comm) -> None:
+    """Tell the coordinator why this worker is about to die, then abort the world."""
+    try:
+        comm.send(("error", f"rank {comm.Get_rank()}:\n{traceback.format_exc()}"), dest=0, tag=EVT)
+        time.sleep(2.0)  # let the coordinator print the cause before the abort lands
+    finally:
+        comm.Abort(1)

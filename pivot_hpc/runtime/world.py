@@ -1,0 +1,79 @@
+"""World layout (DESIGN.md §2): hosts, the coordinator, and workers bound to device slots.
+
+COMM_WORLD is split into nodes (COMM_TYPE_SHARED, or pseudo-nodes of `gps.pseudo_node_size`
+ranks for tests on one host). On each node local rank 0 is the HOST rank (GPS shard);
+world rank 0 is also the COORDINATOR; local rank j ≥ 1 is a WORKER bound to device slot
+j-1 of its node, i.e. global GPU id node·gpus_per_node + j-1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pivot_hpc.config import Config
+from pivot_hpc.errors import PivotError
+
+
+class LayoutError(PivotError, RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    rank: int
+    size: int
+    node: int
+    local_rank: int
+    gpus_per_node: int
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_host(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def gpu(self) -> int | None:
+        return None if self.is_host else self.node * self.gpus_per_node + self.local_rank - 1
+
+    def rank_of_gpu(self, gpu: int) -> int:
+        node, slot = divmod(gpu, self.gpus_per_node)
+        return node * (self.gpus_per_node + 1) + slot + 1
+
+
+def expected_size(cfg: Config) -> int:
+    return cfg.cluster.nodes * (cfg.cluster.gpus_per_node + 1)
+
+
+def check_launch(cfg: Config, size: int) -> None:
+    """Validate the world against the config and Slurm before any work (clear errors)."""
+    want = expected_size(cfg)
+    if size != want:
+        raise LayoutError(
+            f"the MPI world has {size} ranks but the config needs {want}: cluster.nodes="
+            f"{cfg.cluster.nodes} × (cluster.gpus_per_node={cfg.cluster.gpus_per_node} workers "
+            "+ 1 host rank); launch with that many tasks (sbatch --ntasks-per-node="
+            f"{cfg.cluster.gpus_per_node + 1}) or change cluster.*"
+        )
+    if len(cfg.training_gpus()) != cfg.rl.trainer.tp:
+        raise LayoutError(
+            f"training.num_gpus={len(cfg.training_gpus())} but rl.trainer.tp="
+            f"{cfg.rl.trainer.tp}: the live trainer runs tensor parallelism only (no data "
+            "parallelism yet); set them equal"
+        )
+    ntasks = os.environ.get("SLURM_NTASKS")
+    if ntasks is not None and int(ntasks) != size:
+        raise LayoutError(
+            f"SLURM_NTASKS={ntasks} but COMM_WORLD has {size} ranks: the MPI library did not "
+            "form one world (use srun --mpi=pmix with OpenMPI)"
+        )
+
+
+def layout(comm, cfg: Config) -> Layout:
+    """This rank's place; ranks must be node-major (srun/mpirun's default block order)."""
+    per = cfg.cluster.gpus_per_node + 1
+    node, local = divmod(comm.Get_rank(), per)
+    return Layout(comm.Get_rank(), comm.Get_size(), node, local, cfg.cluster.gpus_per_node)

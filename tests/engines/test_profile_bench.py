@@ -1,0 +1,64 @@
+"""`pivot-hpc profile` (fit + held-out report + loadable YAML) and `bench engine --json`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pivot_hpc.cli.main import main
+from pivot_hpc.config import load_config
+from pivot_hpc.engines.profile import apply_profiles, fit_samples, load_profile, sweep
+
+
+def test_sweep_and_fit(tiny_model):
+    samples = sweep(tiny_model, [1, 4, 16, 32], [8, 64, 128], steps=3)
+    assert len(samples) == 12 and any(s.held_out for s in samples)
+    assert all(s.latency_s > 0 and s.n_tok >= s.n_seq * 8 for s in samples)
+    res = fit_samples(samples)
+    assert res.fit.samples + res.held_out.samples == 12
+    assert res.fit.r2 > 0.5  # latency grows with batch and context; the model captures it
+
+
+def test_profile_cli_writes_loadable_constants(tmp_path, capsys):
+    rc = main(
+        [
+            "profile",
+            "--model",
+            "random",
+            "--batch-sizes",
+            "1,8,32",
+            "--context-lens",
+            "8,64,128",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("A", "B", "C", "D", "r2", "held_out_r2", "held_out_median_rel_error"):
+        assert key in out
+    path = tmp_path / "hf-random.yaml"
+    assert out["profile"] == str(path) and path.is_file()
+    tc = load_profile(path)
+    assert tc.B + tc.D > 0
+    cfg = load_config(None, [f"engines.reward.throughput_profile={path}"])
+    apply_profiles(cfg)
+    assert cfg.reward.throughput.A == pytest.approx(out["A"])
+    assert cfg.rollout.throughput.A != cfg.reward.throughput.A or out["A"] == 1e-8
+
+
+def test_bench_engine_json(capsys):
+    rc = main(
+        ["bench", "engine", "--json", "--batch-sizes", "1,64", "--new-tokens", "8", "--repeat", "1"]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for b in ("1", "64"):
+        row = out["batch"][b]
+        assert row["tokens_per_s"] > 0 and row["hf_generate_tokens_per_s"] > 0
+        assert row["outputs_match"]
+    assert out["ratio_batch64"] == pytest.approx(out["batch"]["64"]["ratio"])
