@@ -103,6 +103,32 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
     return code
 
 
+def use_profiles(cfg: Config, dirs) -> None:
+    """Throughput constants for the schedulers: the engine/model profile if one exists
+    (`pivot-hpc profile` writes it), else a brief profile now, cached for the next run."""
+    from pivot_hpc.engines.profile import apply_profiles, fit_samples, sweep, write_profile
+    from pivot_hpc.models.config import cache_root
+    from pivot_hpc.models.zoo import load_model
+
+    for role, path_dir, name in (("rollout", dirs[0], "policy"), ("reward", dirs[1], "genrm")):
+        ec = getattr(cfg.engines, role)
+        if ec.throughput_profile is not None:
+            continue
+        path = cache_root(cfg.models.cache_dir) / "profiles" / f"hf-{Path(path_dir).name}.yaml"
+        if not path.is_file():
+            t0 = time.monotonic()
+            model, _ = load_model(path_dir)
+            result = fit_samples(sweep(model, [1, 4, 16], [16, 64], steps=3))
+            write_profile(path, result, engine="hf", model=name, role=role)
+            print(
+                f"pivot-hpc: profiled hf/{name} in {time.monotonic() - t0:.1f}s: "
+                f"{result.fit.summary()}",
+                flush=True,
+            )
+        ec.throughput_profile = path
+    apply_profiles(cfg)
+
+
 def _wait_for_stop(comm) -> None:
     from pivot_hpc.runtime.protocol import CMD
 
@@ -122,6 +148,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs) -> int:
     from pivot_hpc.runtime.live_samples import LiveSamples
     from pivot_hpc.telemetry import TelemetryWriter
 
+    use_profiles(cfg, dirs)
     topology = Topology.from_config(cfg, vanilla=cfg.planner.strategy == "vanilla")
     tok = load_tokenizer(dirs[0])
     data = cfg.rl.data
