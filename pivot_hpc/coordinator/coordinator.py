@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pivot_hpc.coordinator.cluster import Cluster
 from pivot_hpc.coordinator.events import (
@@ -33,70 +33,15 @@ from pivot_hpc.planner import ShiftPlan, Snapshot, Topology, TrainingState, role
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
 from pivot_hpc.scheduler import MigrationResult, Scheduler, SeqState
 
+if TYPE_CHECKING:  # h5py is imported only by runs that write telemetry
+    from pivot_hpc.telemetry import TelemetryWriter
+
 Rewarder = Callable[[Sample, Any], tuple[float, float]]
 
 
-class Telemetry(Protocol):
-    def throughput(
-        self, t, role, replicas, gpus, n_seq, n_queued, n_tok, tokens_per_s, est_tokens_per_s
-    ) -> None: ...
-    def allocation(
-        self, t, rollout_gpus, reward_gpus, training_gpus, idle_gpus, transition_gpus
-    ) -> None: ...
-    def shift(
-        self,
-        t,
-        kind,
-        role,
-        replica,
-        gpus,
-        plan_id,
-        penalty,
-        benefit,
-        discard_s,
-        read_s,
-        offload_s,
-        reload_s,
-        total_s,
-    ) -> None: ...
-    def planner(
-        self,
-        t,
-        plan_id,
-        strategy,
-        up_role,
-        n_up,
-        n_down,
-        candidates,
-        preprocess_s,
-        construct_s,
-        simulate_s,
-        benefit,
-        throughput_current,
-        throughput_expected,
-    ) -> None: ...
-    def migration(self, t, role, kind, sequences, abort_s, dispatch_s, reprefill_s) -> None: ...
-    def step(
-        self,
-        step,
-        start,
-        end,
-        rollout_tokens,
-        reward_tokens,
-        train_tokens,
-        samples,
-        reward_mean,
-        reward_verifiable_mean,
-        reward_genrm_mean,
-        loss,
-        staleness_max,
-        staleness_mean,
-        version,
-    ) -> None: ...
-    def flush(self) -> None: ...
-
-
 class NullTelemetry:
+    """Telemetry that records nothing (tests, dry runs): same methods as TelemetryWriter."""
+
     def __getattr__(self, name: str) -> Callable[..., None]:
         return lambda *a, **k: None
 
@@ -147,7 +92,7 @@ class Coordinator:
         mode: Mode,
         capacity: dict[str, int],
         rewarder: Rewarder,
-        telemetry: Telemetry | None = None,
+        telemetry: TelemetryWriter | None = None,
         tick_s: float = 1.0,
         priority: str = "seq_id",
         migration: bool = True,
@@ -159,7 +104,7 @@ class Coordinator:
         self.mode = mode
         self.capacity = capacity
         self.rewarder = rewarder
-        self.telemetry: Telemetry = telemetry or NullTelemetry()
+        self.telemetry: TelemetryWriter | NullTelemetry = telemetry or NullTelemetry()
         self.tick_s = tick_s
         self.on_step = on_step
         self.schedulers = {
