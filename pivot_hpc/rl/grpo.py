@@ -96,3 +96,16 @@ def sft_loss(
     mask = mask.to(logprobs.dtype)
     n = float(mask.sum().item()) if normalizer is None else float(normalizer)
     return -(logprobs * mask).sum() / max(n, 1.0)
+
+
+@torch.no_grad()
+def reference_logprobs(
+    model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperature: float
+) -> list[list[float]]:
+    """Per-token logprobs of each response under a frozen HF reference model (the KL term)."""
+    out = []
+    for p, r in zip(prompts, responses, strict=True):
+        logits = model(torch.tensor([list(p) + list(r)])).logits[0].float() / temperature
+        lp = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) + len(r) - 1]
+        out.append(lp.gather(1, torch.tensor(list(r))[:, None])[:, 0].tolist())
+    return out

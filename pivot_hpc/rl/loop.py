@@ -23,7 +23,7 @@ from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.models.qwen2 import model_config_of
 from pivot_hpc.models.sft import encode_prompt
 from pivot_hpc.rl.config import RLConfig
-from pivot_hpc.rl.grpo import group_advantages
+from pivot_hpc.rl.grpo import group_advantages, reference_logprobs
 from pivot_hpc.rl.rewards import (
     GenRMStats,
     combine,
@@ -204,17 +204,10 @@ class LocalGRPO:
         self.report.genrm = self.judge.stats
         return rec
 
-    @torch.no_grad()
     def _ref_logprobs(self, prompts: list[list[int]], responses: list[list[int]]):
         if self.reference is None:
             return None
-        t = self.cfg.grpo.temperature
-        out = []
-        for p, r in zip(prompts, responses, strict=True):
-            logits = self.reference(torch.tensor([p + r])).logits[0].float() / t
-            lp = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) + len(r) - 1]
-            out.append(lp.gather(1, torch.tensor(r)[:, None])[:, 0].tolist())
-        return out
+        return reference_logprobs(self.reference, prompts, responses, self.cfg.grpo.temperature)
 
     def train(
         self,

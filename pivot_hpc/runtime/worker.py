@@ -34,6 +34,7 @@ class Worker:
         self.training_ranks = training_ranks
         self.engines: dict[str, Any] = {}
         self.trainer = None
+        self.reference = None
         self.role: str | None = None
         self._last_lengths = 0.0
         self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
@@ -47,6 +48,10 @@ class Worker:
         if self.comm.Get_rank() in self.training_ranks:
             self.trainer = self._make_trainer()
             self.trainer.offload_optimizer()
+            if self.cfg.rl.grpo.kl_coef > 0:  # KL reference: the frozen initial policy
+                from pivot_hpc.models.zoo import load_model
+
+                self.reference = load_model(self.dirs["rollout"])[0]
 
     # ----------------------------------------------------------------- loop
     def serve(self) -> None:
@@ -148,6 +153,12 @@ class Worker:
         self.send(("shift", "down", phases))
 
     def train(self, step: int, batch) -> None:
+        if self.reference is not None:
+            from pivot_hpc.rl.grpo import reference_logprobs
+
+            batch.ref_logprobs = reference_logprobs(
+                self.reference, batch.prompt_ids, batch.response_ids, self.cfg.rl.grpo.temperature
+            )
         metrics = self.trainer.train_step(batch)
         metrics.setdefault("loss", metrics.get("pg_loss", float("nan")))
         t0 = time.perf_counter()

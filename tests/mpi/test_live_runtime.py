@@ -37,6 +37,7 @@ def run(run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 
             "--run-dir",
             str(run_dir),
             "loop.steps=3",
+            "loop.batch_prompts=4",
             *overrides,
         ],
         cwd=ROOT,
