@@ -17,7 +17,12 @@ def test_sweep_and_fit(tiny_model):
     assert all(s.latency_s > 0 and s.n_tok >= s.n_seq * 8 for s in samples)
     res = fit_samples(samples)
     assert res.fit.samples + res.held_out.samples == 12
-    assert res.fit.r2 > 0.5  # latency grows with batch and context; the model captures it
+    # Fit quality on real timings depends on machine load (tiny models step in ~1 ms), so
+    # only the report's shape is checked here; tests/unit/test_throughput.py checks that
+    # the fit recovers known constants.
+    m = res.fit.model
+    assert all(v >= 0 for v in (m.A, m.B, m.C, m.D)) and m.B + m.D > 0
+    assert res.held_out.samples >= 1 and 0 <= res.held_out.median_rel_error < float("inf")
 
 
 def test_profile_cli_writes_loadable_constants(tmp_path, capsys):
