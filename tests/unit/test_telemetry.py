@@ -295,17 +295,16 @@ def test_reader_errors_name_the_file(tmp_path: Path) -> None:
         open_run(tmp_path)
 
 
-def test_many_rows_are_cheap(tmp_path: Path) -> None:
+def test_many_rows_across_flushes(tmp_path: Path) -> None:
+    # (speed is a benchmark concern: ~0.2 s here for 100k rows; tests check behaviour)
     n = 100_000
-    t0 = time.perf_counter()
     with TelemetryWriter(tmp_path, meta={}) as w:
         for i in range(n):
             w.throughput(float(i), "rollout", 1, 1, i, 0, i, 1.0, 1.0)
             if i % 20_000 == 0:
                 w.flush()
-    elapsed = time.perf_counter() - t0
-    assert len(open_run(tmp_path)["throughput"]) == n
-    assert elapsed < 5.0, f"100k throughput rows took {elapsed:.1f} s"
+    rows = open_run(tmp_path)["throughput"]
+    assert len(rows) == n and (rows["n_seq"] == np.arange(n)).all()
 
 
 CRASH_WRITER = textwrap.dedent(
