@@ -77,7 +77,6 @@ class Stats:
     shifts_down: int = 0
     plans: int = 0
     migrated: int = 0
-    planner_s: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # per step mean reward
 
@@ -114,7 +113,7 @@ class Coordinator:
         self.samples: dict[int, Sample] = {}
         self.owner: dict[int, str] = {}  # GPU -> replica holding or shifting on it
         self.shifting: dict[str, str] = {}  # rid -> "up" | "down"
-        self.pending_up: list[tuple[str, int]] = []  # (rid, plan id) waiting for GPUs
+        self.pending_up: list[str] = []  # replicas waiting for their GPUs to free
         # Policy version each rollout replica decodes with: set when its load is requested,
         # because a replica applies a weight update before it decodes anything else.
         self.replica_version: dict[str, int] = {}
@@ -233,11 +232,11 @@ class Coordinator:
     def gpus_free(self, rid: str) -> bool:
         return all(g not in self.owner for g in self.topology.gpus_of(rid))
 
-    def request_up(self, rids: Iterable[str], plan_id: int = 0) -> None:
+    def request_up(self, rids: Iterable[str]) -> None:
         for rid in rids:
             if rid in self.shifting or self._is_up(rid):
                 raise ConservationError(f"{rid} is already up or shifting")
-            self.pending_up.append((rid, plan_id))
+            self.pending_up.append(rid)
         self._start_pending()
 
     def _is_up(self, rid: str) -> bool:
@@ -247,9 +246,9 @@ class Coordinator:
 
     def _start_pending(self) -> None:
         waiting = []
-        for rid, plan_id in self.pending_up:
+        for rid in self.pending_up:
             if not self.gpus_free(rid):
-                waiting.append((rid, plan_id))
+                waiting.append(rid)
                 continue
             for g in self.topology.gpus_of(rid):
                 self.owner[g] = rid
@@ -258,7 +257,7 @@ class Coordinator:
             self.cluster.shift_up(rid, self.rl.version)
         self.pending_up = waiting
 
-    def take_down(self, rids: Iterable[str], plan_id: int = 0) -> None:
+    def take_down(self, rids: Iterable[str]) -> None:
         """Shift replicas down: abort + migrate their sequences (Alg. 3), then release GPUs."""
         by_role: dict[str, list[str]] = defaultdict(list)
         for rid in rids:
@@ -471,7 +470,7 @@ class Coordinator:
             f"rollout {len(ro.replicas)} replicas {ro.n_running} running {ro.n_queued} queued, "
             f"reward {len(rm.replicas)} replicas {rm.n_running} running {rm.n_queued} queued, "
             f"training active={self.training.active} busy={self.training.busy}, "
-            f"shifting {sorted(self.shifting)}, pending {[r for r, _ in self.pending_up]}"
+            f"shifting {sorted(self.shifting)}, pending {self.pending_up}"
         )
 
     # ----------------------------------------------------------- planner
@@ -488,7 +487,6 @@ class Coordinator:
         self.plan_id += 1
         self.stats.plans += 1
         t = plan.timings
-        self.stats.planner_s.append(t.total_s)
         self.telemetry.planner(
             self.cluster.now(),
             self.plan_id,
@@ -508,8 +506,8 @@ class Coordinator:
             return
         for rid in plan.up + plan.down:
             self.plan_of[rid] = (self.plan_id, plan.penalty, plan.benefit)
-        self.take_down(plan.down, self.plan_id)
-        self.request_up(plan.up, self.plan_id)
+        self.take_down(plan.down)
+        self.request_up(plan.up)
         self._log_allocation()
 
     # --------------------------------------------------------- telemetry

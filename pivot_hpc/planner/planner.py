@@ -65,9 +65,8 @@ class _Simulator:
     a shift-down role's result is cached by its set of leaving replicas.
     """
 
-    def __init__(self, snap: Snapshot, up_role: str | None, migration: bool) -> None:
+    def __init__(self, snap: Snapshot, migration: bool) -> None:
         self.snap = snap
-        self.up_role = up_role
         self.migration = migration
         self._up: dict[tuple[str, int], float] = {}
         self._down: dict[tuple[str, frozenset[str]], float] = {}
@@ -116,7 +115,7 @@ def training_plan(
     phi = penalty(snap, down)
     t1 = time.perf_counter()
     t_cur = current_throughput(snap)
-    t_new = _Simulator(snap, TRAINING, migration).overall([], down)
+    t_new = _Simulator(snap, migration).overall([], down)
     benefit = horizon * (t_new - t_cur) - phi
     timings = PlannerTimings(preprocess_s=t1 - t0, simulate_s=time.perf_counter() - t1)
     return ShiftPlan(
@@ -220,7 +219,7 @@ class PivotStrategy:
             k_max = min(k_max, self.max_up)
         cands = build_candidates(pairs, k_max)
         t2 = time.perf_counter()
-        sim = _Simulator(snap, role, self.migration)
+        sim = _Simulator(snap, self.migration)
         evals = []
 
         def evaluate(i: int) -> float:
@@ -280,7 +279,7 @@ def _evaluated(snap: Snapshot, plan: ShiftPlan, horizon: float, t_start: float) 
         plan.throughput_expected = plan.throughput_current
     else:
         plan.penalty = penalty(snap, plan.down)
-        plan.throughput_expected = _Simulator(snap, plan.up_role, True).overall(plan.up, plan.down)
+        plan.throughput_expected = _Simulator(snap, True).overall(plan.up, plan.down)
         plan.benefit = horizon * (plan.throughput_expected - plan.throughput_current) - plan.penalty
     plan.timings = PlannerTimings(preprocess_s=t1 - t_start, simulate_s=time.perf_counter() - t1)
     return plan

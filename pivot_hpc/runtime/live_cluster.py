@@ -40,7 +40,6 @@ class LiveCluster:
         self.training_ranks = [layout.rank_of_gpu(g) for g in topology.training_gpus]
         self.rank_of: dict[str, list[int]] = {}  # replica -> its worker ranks
         self.role_of_rank: dict[int, str] = {}
-        self.version_of: dict[str, int] = {}
         self._pending: list = []
         # Finishes not yet handled by the coordinator: an abort that comes too late finds
         # its sequence's finish here (`take_finished`).
@@ -105,7 +104,6 @@ class LiveCluster:
                 if res is None:
                     return None
                 self._partial[(role, seq_id)] = res
-                self._count(role, 0)
                 return len(res.prompt_ids) + len(res.token_ids)
             self._convert(msg, rank)
 

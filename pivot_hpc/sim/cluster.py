@@ -80,7 +80,6 @@ class SimCluster:
         *,
         inference: dict[str, InferenceCosts],
         training: TrainingCosts,
-        target_len: dict[str, str] | None = None,
     ) -> None:
         self.inference = inference
         self.training = training
@@ -91,7 +90,6 @@ class SimCluster:
         self._targets: dict[tuple[str, int], tuple[float, object]] = {}
         self._tokens = {"rollout": 0.0, "reward": 0.0}
         self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
-        self._counter = 0
 
     # ----------------------------------------------------------- engine
     def now(self) -> float:

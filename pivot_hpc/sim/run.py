@@ -124,8 +124,6 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
 
         writer = TelemetryWriter(out, meta=meta)
         coord.telemetry = writer
-    step_rows: list[tuple[int, float, float, int]] = []
-    coord.on_step = lambda step, m: step_rows.append((step, m["t"], m["reward"], 0))
     bar = None
     if progress:
         from tqdm import tqdm
