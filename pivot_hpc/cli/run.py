@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,17 @@ def run(args: argparse.Namespace) -> int:
 
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_in_world(cfg, run_dir)
+    # A checkpoint to resume must be usable (complete, same config) before any rank starts.
+    from pivot_hpc.checkpoint import store
+    from pivot_hpc.config import to_dict
+
+    found = store.find_resume(run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume)
+    if found is not None:
+        print(
+            f"pivot-hpc: {run_dir} has checkpoint {found[0].name} (step "
+            f"{found[1]['step']}): resuming",
+            flush=True,
+        )
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise PivotError("mpirun not found: install OpenMPI (apt-get install openmpi-bin)")
@@ -71,4 +83,17 @@ def run(args: argparse.Namespace) -> int:
         cmd[1:1] = ["--map-by", f"ppr:{cfg.cluster.gpus_per_node + 1}:node"]
     env = {**os.environ, **MPI_ENV}
     print(f"pivot-hpc: launching {n} ranks: {' '.join(cmd[:3])} …", flush=True)
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    # mpirun forwards SIGUSR1 to every rank; SIGTERM it would turn into a kill, so a TERM
+    # sent to this launcher is passed on as USR1: every rank then sees a graceful stop.
+    from pivot_hpc.runtime.stop import EXIT_REQUEUE, SIGNALS
+
+    def forward(signum, _frame) -> None:
+        proc.send_signal(signal.SIGUSR1)
+
+    for sig in SIGNALS:
+        signal.signal(sig, forward)
+    code = proc.wait()
+    if code == EXIT_REQUEUE:
+        print("pivot-hpc: checkpointed and stopped; resume with the same command", flush=True)
+    return code

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pivot_hpc.checkpoint.config import CheckpointConfig
 from pivot_hpc.config.loader import ConfigError, fail
 from pivot_hpc.coordinator.config import DeploymentConfig, LoopConfig
 from pivot_hpc.engines.config import EnginesConfig
@@ -157,6 +158,7 @@ class Config:
     loop: LoopConfig = field(default_factory=LoopConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     gps: GPSConfig = field(default_factory=GPSConfig)  # Global Parameter Storage (§5.1)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # DESIGN.md §9
 
     def validate(self, path: str) -> None:
         n = self.cluster.total_gpus

@@ -129,16 +129,28 @@ class Coordinator:
         self.first_step_start = float("inf")
         self.last_step_end = 0.0
         self.stall_s = 3600.0  # no event for this long while work remains: a bug, not a wait
+        # Graceful stop (a signal): once `stop_requested()` is true the coordinator drains —
+        # no new rollouts, dispatches, shifts or training — until no training step runs,
+        # then `run` returns with `stopped` set, leaving a state a checkpoint can hold.
+        self.stop_requested: Callable[[], bool] = lambda: False
+        self.draining = False
+        self.stopped = False
 
     # ------------------------------------------------------------- loop
     def run(self, progress: Callable[[int], None] | None = None) -> None:
-        """Drive the cluster until the configured number of RL steps is trained."""
+        """Drive the cluster until the configured number of RL steps is trained (or, after
+        a stop request, until the cluster is drained: `stopped` is then set)."""
         self.mode.start(self)
         self.release()
         self.mode.on_change(self)
         next_tick = self.cluster.now()
         last_event = next_tick
         while not self.rl.done:
+            if not self.draining and self.stop_requested():
+                self.draining = True
+            if self.draining and not self.training.busy:
+                self.stopped = True
+                break
             events = self.cluster.poll(until=next_tick)
             before = self.rl.version
             for ev in events:
@@ -146,7 +158,8 @@ class Coordinator:
             self.activate_arrived()
             if events:
                 last_event = self.cluster.now()
-                self.mode.on_change(self)
+                if not self.draining:
+                    self.mode.on_change(self)
             elif self.cluster.now() - last_event > self.stall_s:
                 raise ConservationError(f"no progress for {self.stall_s:.0f} s: {self.describe()}")
             if self.cluster.now() >= next_tick:
@@ -160,7 +173,8 @@ class Coordinator:
         for role in INFERENCE_ROLES:
             self.schedulers[role].set_lengths(self.cluster.lengths(role))
         self._log_throughput()
-        self.mode.on_tick(self)
+        if not self.draining:
+            self.mode.on_tick(self)
 
     def handle(self, ev) -> None:
         if isinstance(ev, SequenceFinished):
@@ -177,7 +191,11 @@ class Coordinator:
     # ------------------------------------------------------- sequences
     def release(self) -> None:
         """Release every batch the staleness bound and the mode allow to rollout."""
-        while self.rl.can_release() and self.mode.may_release(self, self.rl.released):
+        while (
+            not self.draining
+            and self.rl.can_release()
+            and self.mode.may_release(self, self.rl.released)
+        ):
             batch = self.rl.release()
             self.steps[batch[0].step] = StepLog(start=self.cluster.now())
             sched = self.schedulers["rollout"]
@@ -186,7 +204,24 @@ class Coordinator:
                 sched.submit(SeqState(s.sample_id, s.prompt_len, s))
         self.dispatch("rollout")
 
+    def restore(self, batches: dict[int, list[Sample]], generated: dict[tuple[str, int], int]):
+        """Re-queue a checkpoint's unfinished samples (RLState already restored): rollouts
+        and reward sequences continue from `generated[(role, sample_id)]` tokens (their
+        tokens are with the cluster); rewarded samples wait for training."""
+        for step in sorted(batches):
+            self.steps[step] = StepLog(start=self.cluster.now())
+            for s in batches[step]:
+                self.samples[s.sample_id] = s
+                if s.rewarded:
+                    continue
+                role = "reward" if s.rolled_out else "rollout"
+                context = s.reward_context if s.rolled_out else s.prompt_len
+                length = context + generated.get((role, s.sample_id), 0)
+                self.schedulers[role].submit(SeqState(s.sample_id, length, s))
+
     def dispatch(self, role: str) -> None:
+        if self.draining:
+            return
         for seq_id, rid in self.schedulers[role].dispatch():
             self._start(role, rid, seq_id)
 
@@ -219,6 +254,7 @@ class Coordinator:
             self.rl.rollout_done(s, ev.generated)
             log.rollout_tokens += ev.generated
             context = self.rl.source.on_rollout(s, ev.generated, ev.result)
+            s.reward_context = context
             self.schedulers["reward"].submit(SeqState(s.sample_id, context, s))
             self.dispatch("reward")
         else:
@@ -339,6 +375,8 @@ class Coordinator:
 
     def activate_arrived(self) -> None:
         """Alg. 4 once per role for every replica that finished shifting up at this instant."""
+        if self.draining:
+            return  # they stay idle; a resumed run starts its own allocation
         arrived, self._arrived = self._arrived, {}
         for role, rids in arrived.items():
             sched = self.schedulers[role]
@@ -400,6 +438,8 @@ class Coordinator:
 
     # ---------------------------------------------------------- training
     def maybe_train(self) -> None:
+        if self.draining:
+            return
         if self.training.active and not self.training.busy and TRAINING not in self.shifting:
             if self.rl.batch_ready():
                 batch = self.rl.begin_training()
@@ -440,6 +480,16 @@ class Coordinator:
             sum(stale) / n,
             self.rl.version,
         )
+        for s in batch:
+            self.telemetry.trained(
+                ev.step,
+                s.sample_id,
+                s.prompt_index,
+                s.group,
+                s.version_start,
+                s.response_len,
+                s.reward,
+            )
         self.telemetry.flush()
         for s in batch:
             del self.samples[s.sample_id]

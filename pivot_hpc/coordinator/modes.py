@@ -47,6 +47,7 @@ class Colocated:
 
     def start(self, c) -> None:
         self.everything = set(range(c.topology.num_gpus))
+        self.trained_to = c.rl.version
         c.request_up(slots_within(c.topology, "rollout", self.everything))
 
     def on_tick(self, c) -> None:
@@ -106,6 +107,9 @@ class RolloutRewardColocated:
         return step <= self.batch  # the pool rolls out one batch at a time
 
     def start(self, c) -> None:
+        # A resumed run continues with its oldest batch whose rewards are incomplete.
+        unfinished = [b for b, ss in c.rl.batches.items() if c.rl.rewarded_count[b] < len(ss)]
+        self.batch = min(unfinished, default=c.rl.released)
         c.request_up(slots_within(c.topology, "rollout", self.pool))
         c.request_up([TRAINING])
 

@@ -29,6 +29,7 @@ class Sample:
     version_start: int = -1  # policy version when its rollout started
     response_len: int = 0  # tokens the policy generated
     judgement_len: int = 0  # tokens the GenRM generated
+    reward_context: int = 0  # context length of its reward sequence (set after rollout)
     reward_verifiable: float = float("nan")
     reward_genrm: float = float("nan")
     rolled_out: bool = False
@@ -143,3 +144,15 @@ class RLState:
 
     def in_flight(self) -> list[Sample]:
         return [s for b in self.batches.values() for s in b if not s.rewarded]
+
+    # Fields a checkpoint saves (the sample source is rebuilt from the config).
+    SAVED = ("version", "released", "data_cursor", "next_sample_id", "batches", "rewarded_count")
+
+    def state(self) -> dict[str, Any]:
+        if self.training_step is not None:
+            raise ConservationError(f"RL state saved while step {self.training_step} trains")
+        return {k: getattr(self, k) for k in self.SAVED}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for k in self.SAVED:
+            setattr(self, k, state[k])

@@ -194,6 +194,10 @@ class HFEngine:
     def abort_all(self) -> list[SeqResult]:
         return [self.abort(i) for i in list(self._by_id)]
 
+    def snapshot(self) -> list[SeqResult]:
+        """Every unfinished sequence's tokens so far, without disturbing it (checkpoints)."""
+        return [self._result(s, "abort") for s in self._by_id.values()]
+
     def seq_lengths(self) -> dict[int, int]:
         """Context length (prompt + generated) of every sequence in the engine."""
         return {s.seq_id: len(s.prompt) + len(s.out) for s in (*self.running, *self.waiting)}

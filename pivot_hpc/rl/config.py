@@ -52,8 +52,14 @@ class TrainerConfig:
     warmup_steps: int = 0
     micro_batch_size: int = 64  # sequences per forward/backward
     seed: int = 0
+    # Parameter dtype of the Megatron model. "auto" = bf16 when a CUDA device is present
+    # (fp32 master weights and Adam moments in the optimizer), fp32 on CPU (bit-exact
+    # against the HF model, what the CPU tests compare).
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
 
     def validate(self, path: str) -> None:
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            fail(f"{path}.dtype", self.dtype, "valid choices: 'auto', 'bf16', 'fp32'")
         if self.tp < 1:
             fail(f"{path}.tp", self.tp, "must be >= 1")
         if not math.isfinite(self.lr) or self.lr <= 0:
@@ -62,6 +68,12 @@ class TrainerConfig:
             fail(f"{path}.micro_batch_size", self.micro_batch_size, "must be >= 1")
         if self.grad_clip < 0:
             fail(f"{path}.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
+
+    def resolved_dtype(self, cuda: bool) -> Literal["bf16", "fp32"]:
+        """The dtype "auto" stands for on this machine (`cuda`: a CUDA device is used)."""
+        if self.dtype == "auto":
+            return "bf16" if cuda else "fp32"
+        return self.dtype
 
 
 @dataclass(kw_only=True)
@@ -94,6 +106,17 @@ class DataConfig:
     validation: Literal["synthetic"] | Path | None = "synthetic"
     max_prompt_tokens: int = 2048  # longer prompts are counted as malformed and skipped
     synthetic_seed: int = 0
+
+    def validate(self, path: str) -> None:
+        for name in ("train", "validation"):
+            value = getattr(self, name)
+            if isinstance(value, Path) and not value.exists():
+                fail(
+                    f"{path}.{name}",
+                    str(value),
+                    "dataset file not found (nothing is downloaded at run time): give a local "
+                    "JSONL/Parquet file, or 'synthetic' for the built-in arithmetic task",
+                )
 
 
 @dataclass(kw_only=True)

@@ -141,10 +141,53 @@ class LiveCluster:
     def _count(self, role: str, n: int) -> None:
         self._tokens[role] += n
 
-    def stop(self) -> None:
-        """End every other rank's loop (workers and the other nodes' host ranks)."""
+    def stop(self, code: int = 0) -> None:
+        """End every other rank's loop (workers and the other nodes' host ranks); each
+        returns `code` as its exit status."""
         for r in range(1, self.comm.Get_size()):
-            self._send(r, ("stop",))
+            self._send(r, ("stop", code))
+
+    # --------------------------------------------------------- checkpoints
+    def worker_ranks(self) -> list[int]:
+        return [self.layout.rank_of_gpu(g) for g in range(self.topology.num_gpus)]
+
+    def _gather(self, ranks: list[int], msg: tuple, reply: str) -> dict[int, tuple]:
+        """Send `msg` to `ranks`, collect each one's `reply` (other messages become events)."""
+        for r in ranks:
+            self._send(r, msg)
+        out = {}
+        for r in ranks:
+            while True:
+                m = self.comm.recv(source=r, tag=EVT)
+                if m[0] == reply:
+                    out[r] = m
+                    break
+                self._convert(m, r)
+        return out
+
+    def partials(self) -> dict[tuple[str, int], object]:
+        """Tokens generated so far by every unfinished sequence: those aborted and waiting
+        to be re-dispatched, and (peeked without disturbing them) those running."""
+        out: dict[tuple[str, int], object] = dict(self._partial)
+        for m in self._gather(self.worker_ranks(), ("peek",), "peeked").values():
+            _, role, results = m
+            for res in results:
+                out[(role, res.seq_id)] = res
+        return out
+
+    def set_partials(self, partials: dict[tuple[str, int], object]) -> None:
+        """Resume: sequences start again from these tokens when next dispatched."""
+        self._partial.update(partials)
+
+    def save_ranks(self, path: str) -> tuple[dict[int, dict], float]:
+        """Every worker's RNG states; the training ranks write `path`/train. Returns the
+        states by rank and the slowest rank's save time."""
+        got = self._gather(self.worker_ranks(), ("save", path), "saved")
+        return {r: m[1] for r, m in got.items()}, max(m[2] for m in got.values())
+
+    def restore_ranks(self, path: str) -> float:
+        got = self._gather(self.worker_ranks(), ("restore", path), "restored")
+        return max(m[1] for m in got.values())
 
     # -------------------------------------------------------------- events
     def poll(self, until: float) -> list:

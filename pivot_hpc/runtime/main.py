@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from pivot_hpc.config import Config, to_dict
+from pivot_hpc.errors import PivotError
 
 
 def _free_port() -> int:
@@ -45,10 +46,26 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
     import torch
     from mpi4py import MPI
 
+    from pivot_hpc.runtime import stop
     from pivot_hpc.runtime.world import check_launch, layout
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
+    if cfg.checkpoint.on_signal:
+        stop.install()
+    # Resume: the newest complete checkpoint, checked (files, config) on rank 0 before any
+    # rank starts work; a bad one ends every rank with the same clear message.
+    resume = problem = None
+    if comm.Get_rank() == 0:
+        try:
+            resume = _find_resume(cfg, run_dir)
+        except PivotError as e:
+            problem = str(e)
+    resume, problem = comm.bcast((resume, problem), root=0)
+    if problem is not None:
+        if comm.Get_rank() == 0:
+            print(f"pivot-hpc: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     try:
         check_launch(cfg, comm.Get_size())
         lay = layout(comm, cfg)
@@ -70,7 +87,11 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
             },
             read_only=["genrm"],
         )
-        gps.load("policy", _state_dict_loader(Path(dirs[0])), version=0)
+        if resume is None:
+            gps.load("policy", _state_dict_loader(Path(dirs[0])), version=0)
+        else:  # the checkpoint's policy, at its version
+            path, step = resume
+            gps.load("policy", _state_dict_loader(Path(path) / "policy"), version=step)
         gps.load("genrm", _state_dict_loader(Path(dirs[1])), version=0)
     except Exception:
         traceback.print_exc()
@@ -78,10 +99,9 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         comm.Abort(1)
     try:
         if lay.is_coordinator:
-            code = _coordinate(comm, lay, cfg, run_dir, dirs)
+            code = _coordinate(comm, lay, cfg, run_dir, dirs, gps, resume)
         elif lay.is_host:
-            _wait_for_stop(comm)
-            code = 0
+            code = _wait_for_stop(comm)
         else:
             from pivot_hpc.planner import Topology
 
@@ -90,8 +110,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
 
             worker = Worker(comm, gps, cfg, dirs[0], dirs[1], training)
             worker.prepare()
-            worker.serve()
-            code = 0
+            code = worker.serve()
     except Exception:
         if lay.is_coordinator:
             print(f"pivot-hpc: run failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -129,15 +148,25 @@ def use_profiles(cfg: Config, dirs) -> None:
     apply_profiles(cfg)
 
 
-def _wait_for_stop(comm) -> None:
+def _wait_for_stop(comm) -> int:
     from pivot_hpc.runtime.protocol import CMD
 
     while not comm.Iprobe(source=0, tag=CMD):
         time.sleep(0.05)
-    comm.recv(source=0, tag=CMD)
+    return comm.recv(source=0, tag=CMD)[1]
 
 
-def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs) -> int:
+def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
+    from pivot_hpc.checkpoint import store
+
+    found = store.find_resume(run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume)
+    if found is None:
+        return None
+    path, manifest = found
+    return str(path), int(manifest["step"])
+
+
+def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int:
     from pivot_hpc.coordinator.coordinator import Coordinator
     from pivot_hpc.coordinator.modes import make_mode
     from pivot_hpc.coordinator.rl_state import RLState
@@ -148,6 +177,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs) -> int:
     from pivot_hpc.runtime.live_samples import LiveSamples
     from pivot_hpc.telemetry import TelemetryWriter
 
+    config_dict = to_dict(cfg)  # as the user gave it (profiles below fill in constants)
     use_profiles(cfg, dirs)
     topology = Topology.from_config(cfg, vanilla=cfg.planner.strategy == "vanilla")
     tok = load_tokenizer(dirs[0])
@@ -169,6 +199,34 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs) -> int:
         staleness=cfg.deployment.effective_staleness(),
         source=samples,
     )
+    restored = None
+    if resume is not None:  # before the writer: its meta records the resume
+        from pivot_hpc.checkpoint.store import verify
+        from pivot_hpc.runtime.checkpointing import load_coordinator_rng, load_rl_state
+
+        t0 = time.monotonic()
+        path = Path(resume[0])
+        manifest = verify(path)
+        workers_s = cluster.restore_ranks(str(path))  # RNG; training: model + optimizer
+        load_coordinator_rng(path)
+        restored = load_rl_state(path)
+        rl.restore(restored["rl"])
+        samples.genrm_stats = restored["genrm_stats"]
+        resume_meta = {
+            "resumed_from": path.name,
+            "resume_step": resume[1],
+            "restore_s": workers_s,  # the slowest worker's own restore
+            "resume_wait_s": time.monotonic() - t0,  # incl. waiting for workers to start
+            "resume_gap_s": time.time() - manifest["created_unix"],
+        }
+        print(
+            f"pivot-hpc: resuming from {path} at step {resume[1]}: "
+            f"{len(restored['partials'])} partial sequences "
+            f"({sum(len(r.token_ids) for r in restored['partials'].values())} tokens), "
+            f"{len(rl.replay_buffer())} rewarded samples waiting; "
+            f"restored in {resume_meta['restore_s']:.2f}s",
+            flush=True,
+        )
     meta = {
         "mode": cfg.deployment.mode,
         "strategy": cfg.planner.strategy if cfg.deployment.mode == "pivot" else "",
@@ -176,8 +234,11 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs) -> int:
         "simulated": False,
         "horizon_s": cfg.planner.horizon_s,
         "config": to_dict(cfg),
+        **(resume_meta if resume is not None else {}),
     }
-    writer = TelemetryWriter(run_dir, meta=meta)
+    from pivot_hpc.telemetry import last_time
+
+    writer = TelemetryWriter(run_dir, meta=meta, time_offset=last_time(run_dir))
     coord = Coordinator(
         cluster=cluster,
         topology=topology,
@@ -190,6 +251,25 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs) -> int:
         priority=cfg.scheduler.priority,
         migration=cfg.scheduler.migration and cfg.planner.strategy != "vanilla",
     )
+    from pivot_hpc.runtime import stop
+    from pivot_hpc.runtime.checkpointing import LiveCheckpointer
+
+    ckpt = LiveCheckpointer(
+        run_dir=run_dir,
+        cfg=cfg,
+        config_dict=config_dict,
+        gps=gps,
+        cluster=cluster,
+        samples=samples,
+        policy_dir=dirs[0],
+    )
+    if restored is not None:
+        cluster.set_partials(restored["partials"])
+        generated = {k: len(r.token_ids) for k, r in restored["partials"].items()}
+        coord.restore(rl.batches, generated)
+        coord.stats.rewards = list(restored["rewards"])
+        ckpt.last_step = rl.version
+    coord.stop_requested = lambda: stop.requested() is not None
     started = time.monotonic()
 
     def log_step(step: int, m: dict) -> None:
@@ -206,12 +286,32 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs) -> int:
             flush=True,
         )
 
-    coord.on_step = log_step
+    def on_step(step: int, m: dict) -> None:
+        log_step(step, m)
+        if coord.rl.done:  # the final policy, loadable as an HF model; also lets a later
+            ckpt.save(coord, "final")  # run with a larger loop.steps continue from here
+        elif ckpt.due(coord.rl.version):
+            ckpt.save(coord, "periodic")
+
+    coord.on_step = on_step
     try:
         coord.run()
+        if coord.stopped:  # a stop signal: drained; take the events already in, then save
+            for ev in cluster.poll(until=cluster.now()):
+                coord.handle(ev)
+            ckpt.save(coord, stop.requested() or "signal")
     finally:
         writer.close()
-    cluster.stop()
+    if coord.stopped:
+        cluster.stop(stop.EXIT_REQUEUE)
+        print(
+            f"pivot-hpc: stopped by {stop.requested()} at step {rl.version}/{cfg.loop.steps}; "
+            f"run the same command with --run-dir {run_dir} to resume (exit code "
+            f"{stop.EXIT_REQUEUE}: requeue)",
+            flush=True,
+        )
+        return stop.EXIT_REQUEUE
+    cluster.stop(0)
     wall = time.monotonic() - started
     r = coord.stats.rewards
     print(

@@ -38,6 +38,9 @@ class Worker:
         self.role: str | None = None
         self._last_lengths = 0.0
         self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
+        # tests: seconds added to every decode step, so that sequences are still running
+        # when a test signals or kills the job
+        self.decode_delay_s = float(os.environ.get("PIVOT_HPC_DECODE_DELAY_S", "0"))
 
     def prepare(self) -> None:
         """Build the preserved context once: both engines (weights released until a shift
@@ -54,19 +57,22 @@ class Worker:
                 self.reference = load_model(self.dirs["rollout"])[0]
 
     # ----------------------------------------------------------------- loop
-    def serve(self) -> None:
+    def serve(self) -> int:
+        """Serve until the coordinator says stop; returns the exit code it sends."""
         backoff = 1e-3
         while True:
             busy = False
             while self.comm.Iprobe(source=0, tag=CMD):
                 msg = self.comm.recv(source=0, tag=CMD)
                 if msg[0] == "stop":
-                    return
+                    return msg[1]
                 self.handle(msg)
                 busy = True
             engine = self.engines.get(self.role) if self.role in ("rollout", "reward") else None
             if engine is not None and engine.has_unfinished():
                 done = engine.step()
+                if self.decode_delay_s:
+                    time.sleep(self.decode_delay_s)
                 if done:
                     self.send(("finished", done))
                 now = time.monotonic()
@@ -111,6 +117,14 @@ class Worker:
             self.send(("weights", version, time.perf_counter() - t0))
         elif kind == "train":
             self.train(msg[1], msg[2])
+        elif kind == "peek":  # checkpoint: tokens of the running sequences, undisturbed
+            engine = self.engines.get(self.role) if self.role in ("rollout", "reward") else None
+            snap = getattr(engine, "snapshot", None)
+            self.send(("peeked", self.role, snap() if snap is not None else []))
+        elif kind == "save":
+            self.save(msg[1])
+        elif kind == "restore":
+            self.restore(msg[1])
         else:
             raise ValueError(f"worker: unknown command {kind!r}")
 
@@ -169,6 +183,45 @@ class Worker:
             version = self.gps.write("policy", self.training_ranks[:1], _tp1(), shards)
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
         self.send(("trained", step, metrics))
+
+    # ---------------------------------------------------------- checkpoints
+    def _rng_state(self) -> dict:
+        return {
+            "torch": torch.get_rng_state(),
+            "engines": {r: e.gen.get_state() for r, e in self.engines.items() if hasattr(e, "gen")},
+        }
+
+    def save(self, path: str | None) -> None:
+        """Checkpoint this rank's part: RNG states; training ranks also write the megatron
+        distributed checkpoint (model + optimizer) under `path`/train (collectively)."""
+        t0 = time.perf_counter()
+        if self.trainer is not None and path is not None:
+            offloaded = self.trainer.optimizer_offloaded
+            self.trainer.reload_optimizer()  # the state to save lives in the optimizer
+            self.trainer.save(os.path.join(path, "train"))
+            if offloaded:
+                self.trainer.offload_optimizer()
+        self.send(("saved", self._rng_state(), time.perf_counter() - t0))
+
+    def restore(self, path: str) -> None:
+        """Resume: this rank's RNG states; training ranks load model + optimizer state."""
+        t0 = time.perf_counter()
+        import pickle
+
+        with open(os.path.join(path, "ranks.pkl"), "rb") as f:
+            state = pickle.load(f).get(self.comm.Get_rank())
+        if state is not None:
+            torch.set_rng_state(state["torch"])
+            for role, gen_state in state["engines"].items():
+                if role in self.engines and hasattr(self.engines[role], "gen"):
+                    self.engines[role].gen.set_state(gen_state)
+        if self.trainer is not None:
+            offloaded = self.trainer.optimizer_offloaded
+            self.trainer.reload_optimizer()
+            self.trainer.load(os.path.join(path, "train"))
+            if offloaded:
+                self.trainer.offload_optimizer()
+        self.send(("restored", time.perf_counter() - t0))
 
     # ------------------------------------------------------------- builders
     def _make_engine(self, role: str):

@@ -11,7 +11,14 @@ import h5py
 import numpy as np
 
 from pivot_hpc.telemetry.errors import TelemetryError
-from pivot_hpc.telemetry.schema import DATASETS, DTYPES, SCHEMA_VERSION, decoded_dtype
+from pivot_hpc.telemetry.schema import (
+    ADDED_IN,
+    DATASETS,
+    DTYPES,
+    SCHEMA_VERSION,
+    TIME_FIELDS,
+    decoded_dtype,
+)
 from pivot_hpc.telemetry.writer import alloc_files
 
 DECODED: dict[str, np.dtype] = {name: decoded_dtype(dt) for name, dt in DTYPES.items()}
@@ -70,7 +77,7 @@ class Run:
         for name, arr in self.datasets.items():
             if len(arr) == 0:
                 continue
-            ends.append(float(arr["end"].max() if name == "steps" else arr["t"].max()))
+            ends.extend(float(arr[f].max()) for f in TIME_FIELDS[name])
         return max(ends)
 
     def role(self, role: str) -> np.ndarray:
@@ -141,6 +148,9 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             )
         data = {}
         for name in DATASETS:
+            if name not in f and version < ADDED_IN.get(name, 1):
+                data[name] = np.empty(0, dtype=DECODED[name])
+                continue
             if name not in f:
                 raise TelemetryError(f"{path}: dataset {name!r} is missing")
             raw = f[name][...]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: + `trained`, `checkpoints`
 
 # Fixed-length byte strings keep the datasets readable by plain h5py/numpy (no vlen types).
 ROLE = "S16"
@@ -97,7 +97,31 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
         ("staleness_mean", "f8", "versions", "mean policy-version lag of the batch"),
         ("version", "i8", "", "policy version after the step"),
     ],
+    "trained": [
+        ("step", "i8", "", "RL step that trained on the sample"),
+        ("sample_id", "i8", "", "sample id (unique within a run, also across resumes)"),
+        ("prompt_index", "i8", "", "data cursor position of its prompt"),
+        ("group", "i4", "", "sample index within its prompt's group"),
+        ("version_start", "i8", "", "policy version its rollout started with"),
+        ("response_tokens", "i8", "tokens", "response length"),
+        ("reward", "f8", "", "total reward R"),
+    ],
+    "checkpoints": [
+        ("t", "f8", "s", "time the checkpoint was complete"),
+        ("index", "i8", "", "N of checkpoints/ckpt-N"),
+        ("step", "i8", "", "policy version (= RL steps trained) it holds"),
+        ("reason", KIND, "", "'periodic', or the signal: 'SIGUSR1', 'SIGTERM'"),
+        ("bytes", "i8", "bytes", "size on disk"),
+        ("save_s", "f8", "s", "wall time of the whole save"),
+        ("policy_s", "f8", "s", "of which: policy weights from GPS to safetensors"),
+        ("train_s", "f8", "s", "of which: megatron checkpoint on the training ranks"),
+        ("partial_sequences", "i8", "sequences", "unfinished sequences saved with tokens"),
+        ("partial_tokens", "i8", "tokens", "generated tokens those sequences carry"),
+        ("replay_samples", "i8", "samples", "rewarded samples waiting for training"),
+    ],
 }
+# Datasets added after schema version 1: a file of an older version reads them as empty.
+ADDED_IN = {"trained": 2, "checkpoints": 2}
 
 DATASETS: tuple[str, ...] = tuple(FIELDS)
 

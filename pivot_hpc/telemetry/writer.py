@@ -305,6 +305,50 @@ class TelemetryWriter:
             )
         )
 
+    def trained(
+        self,
+        step: int,
+        sample_id: int,
+        prompt_index: int,
+        group: int,
+        version_start: int,
+        response_tokens: int,
+        reward: float,
+    ) -> None:
+        self._buf["trained"].append(
+            (step, sample_id, prompt_index, group, version_start, response_tokens, reward)
+        )
+
+    def checkpoint(
+        self,
+        t: float,
+        index: int,
+        step: int,
+        reason: str,
+        nbytes: int,
+        save_s: float,
+        policy_s: float,
+        train_s: float,
+        partial_sequences: int,
+        partial_tokens: int,
+        replay_samples: int,
+    ) -> None:
+        self._buf["checkpoints"].append(
+            (
+                t + self._t0,
+                index,
+                step,
+                reason,
+                nbytes,
+                save_s,
+                policy_s,
+                train_s,
+                partial_sequences,
+                partial_tokens,
+                replay_samples,
+            )
+        )
+
     # ------------------------------------------------------------------ disk
     def rows(self, name: str) -> int:
         """Rows of dataset `name` written to disk so far (buffered rows not counted)."""

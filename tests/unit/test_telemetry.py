@@ -21,6 +21,7 @@ from pivot_hpc.cli.main import main
 from pivot_hpc.telemetry import (
     DATASETS,
     FIELDS,
+    SCHEMA_VERSION,
     TelemetryError,
     TelemetryWriter,
     last_time,
@@ -112,7 +113,7 @@ def test_one_file_per_allocation_with_every_dataset(run_dir: Path) -> None:
             assert h.attrs["mode"] == "pivot" and h.attrs["gpus"] == 8
             assert h.attrs["seed"] == ""  # None -> ""
             assert json.loads(h.attrs["config"])["planner"]["horizon_s"] == 60.0
-            assert h.attrs["schema_version"] == 1 and h.attrs["hostname"]
+            assert h.attrs["schema_version"] == SCHEMA_VERSION and h.attrs["hostname"]
 
 
 def test_round_trip_every_dataset_and_field(run_dir: Path) -> None:
@@ -412,3 +413,21 @@ def test_readme_documents_every_field() -> None:
         assert f"`{name}`" in readme, name
         for field, *_ in fields:
             assert f"`{field}`" in readme, f"{name}.{field}"
+
+
+def test_schema_1_files_read_the_newer_datasets_as_empty(tmp_path: Path) -> None:
+    """A run directory written before `trained`/`checkpoints` existed still opens."""
+    with TelemetryWriter(tmp_path, meta={"mode": "pivot"}) as w:
+        w.step(0, 0.0, 1.0, 10, 5, 20, 4, 0.5, 0.5, 0.0, 0.1, 0, 0.0, 1)
+    path = tmp_path / "telemetry" / "alloc-001.h5"
+    with h5py.File(path, "r+") as f:  # rewrite it as a schema-1 file
+        del f["trained"], f["checkpoints"]
+        f.attrs["schema_version"] = 1
+    r = open_run(tmp_path)
+    assert len(r["steps"]) == 1
+    assert len(r["trained"]) == 0 and len(r["checkpoints"]) == 0
+    assert r["trained"].dtype.names == _field_names("trained")
+
+
+def _field_names(name: str) -> tuple[str, ...]:
+    return tuple(f for f, *_ in FIELDS[name])

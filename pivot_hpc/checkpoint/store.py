@@ -1,0 +1,207 @@
+"""Checkpoint directories on disk: atomic commit, discovery, verification, pruning.
+
+Layout of `<run dir>/checkpoints/`:
+    ckpt-000007/            complete: renamed into place after every file was written
+        manifest.json       written last: format, step, files with sizes and CRC32s
+        config.yaml         the run config that wrote it (resume compares against it)
+        policy/             policy weights in HF layout (model.safetensors + config)
+        train/              megatron distributed checkpoint (model + optimizer)
+        rl_state.pkl        RL state (pickle: trust only your own run directories)
+        ranks.pkl           per-rank RNG states
+    .tmp-ckpt-000008-1234/  being written (or left by a killed job: ignored, removed)
+
+The newest complete checkpoint is the one with the highest index. A crash while writing
+leaves only a temporary directory, never a torn `ckpt-*`; a `ckpt-*` whose files do not
+match its manifest (a damaged disk, a hand edit) is reported, not silently skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pivot_hpc.errors import PivotError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_FINAL = re.compile(r"^ckpt-(\d{6})$")
+_TMP = re.compile(r"^\.tmp-ckpt-(\d{6})-\d+$")
+_DELETING = re.compile(r"^\.del-ckpt-\d{6}$")
+# Keys a resumed run may change; any other difference is a resume mismatch.
+RESUMABLE_KEYS = (
+    "loop.steps",
+    "loop.monitor_interval_s",
+    "checkpoint.",
+    "planner.interval_s",
+    "models.cache_dir",
+    # measured, not chosen: start-up profiling fills these in
+    "rollout.throughput.",
+    "reward.throughput.",
+    "engines.rollout.throughput_profile",
+    "engines.reward.throughput_profile",
+)
+
+
+class CheckpointError(PivotError):
+    """A checkpoint cannot be used: the message names the file or key and the fix."""
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def complete(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of `run_dir`, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _FINAL.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def newest(run_dir: str | Path) -> Path | None:
+    found = complete(run_dir)
+    return found[-1] if found else None
+
+
+def begin(run_dir: str | Path) -> Path:
+    """A fresh temporary directory for the next checkpoint (stale ones are removed)."""
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for p in root.iterdir():
+        if _TMP.match(p.name) or _DELETING.match(p.name):  # left by a killed job
+            shutil.rmtree(p, ignore_errors=True)
+    last = complete(run_dir)
+    index = int(_FINAL.match(last[-1].name).group(1)) + 1 if last else 1
+    tmp = root / f".tmp-ckpt-{index:06d}-{os.getpid()}"
+    tmp.mkdir()
+    return tmp
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, info: dict[str, Any], config: dict[str, Any], keep: int) -> Path:
+    """Seal `tmp`: config.yaml, checksums in manifest.json (last), fsync, rename; then keep
+    only the newest `keep` complete checkpoints. Returns the final path."""
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=True))
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            _fsync(p)
+            files[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+    manifest = {"format": FORMAT, "created_unix": time.time(), **info, "files": files}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}):
+        _fsync(d)
+    index = int(_TMP.match(tmp.name).group(1))
+    final = tmp.parent / f"ckpt-{index:06d}"
+    os.rename(tmp, final)  # atomic on POSIX file systems: complete or absent
+    _fsync(final.parent)
+    for old in complete(final.parent.parent)[:-keep]:
+        # renamed first, so that a kill while deleting never leaves a torn ckpt-* behind
+        doomed = old.parent / f".del-{old.name}"
+        os.rename(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return final
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint `path` after checking every file against it."""
+    fix = f"delete {path} to resume from the previous checkpoint, or start a new --run-dir"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({e}); {fix}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path}: format {manifest.get('format')!r}, this pivot_hpc reads "
+            f"format {FORMAT}; {fix}"
+        )
+    for rel, want in manifest["files"].items():
+        p = path / rel
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {rel} is missing; {fix}")
+        size = p.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {path}: file {rel} has {size} bytes, the manifest says "
+                f"{want['bytes']} (truncated or overwritten); {fix}"
+            )
+        if _crc32(p) != want["crc32"]:
+            raise CheckpointError(f"checkpoint {path}: file {rel} fails its CRC32 check; {fix}")
+    return manifest
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: saved → current' for every key that differs and may not change on resume."""
+    a, b = _flatten(saved), _flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            out.append(f"{key}: {a.get(key, '<absent>')!r} → {b.get(key, '<absent>')!r}")
+    return out
+
+
+def check_resumable(path: Path, current: dict[str, Any]) -> dict[str, Any]:
+    """Verify checkpoint `path` and that `current` (the new run's config) may resume it."""
+    manifest = verify(path)
+    saved = yaml.safe_load((path / "config.yaml").read_text())
+    diff = config_differences(saved, current)
+    if diff:
+        shown = "; ".join(diff[:8]) + (f"; … {len(diff) - 8} more" if len(diff) > 8 else "")
+        raise CheckpointError(
+            f"run directory {path.parent.parent} holds checkpoints of a different config "
+            f"({shown}). Resume with the config it was written with ({path / 'config.yaml'}) "
+            "or use a new --run-dir. Only loop.steps, checkpoint.*, planner.interval_s, "
+            "models.cache_dir and throughput constants may change across a resume."
+        )
+    return manifest
+
+
+def find_resume(run_dir: str | Path, current: dict[str, Any], allowed: bool = True):
+    """(path, manifest) of the checkpoint to resume from, or None for a fresh run."""
+    path = newest(run_dir)
+    if path is None:
+        return None
+    if not allowed:
+        raise CheckpointError(
+            f"run directory {run_dir} already holds checkpoints (newest {path.name}) and "
+            "checkpoint.resume=false: use a new --run-dir, or set checkpoint.resume=true"
+        )
+    return path, check_resumable(path, current)

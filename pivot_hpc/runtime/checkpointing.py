@@ -1,0 +1,162 @@
+"""Live checkpoints: what the coordinator gathers from GPS, the workers and its own state.
+
+save (coordinator, between events, never while a training step runs):
+  1. policy weights at the current version, read from GPS → policy/model.safetensors, with
+     the policy directory's config and tokenizer files (a loadable HF model directory);
+  2. every worker's RNG states; the training ranks write train/ (megatron dist checkpoint);
+  3. the RL state: step, data cursor, batches (replay buffer of rewarded samples, queued
+     and in-flight samples) and the tokens every unfinished sequence generated so far —
+     queued ones from their last abort, running ones peeked without disturbing them.
+Then `store.commit` renames the directory into place. Resume reverses the three parts.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pivot_hpc.checkpoint import store
+
+
+def _tp1():
+    from pivot_hpc.gps import Parallelism
+
+    return Parallelism(tp=1, pp=1, dp=1)
+
+
+def coordinator_rng() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_coordinator_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+class LiveCheckpointer:
+    def __init__(
+        self, *, run_dir: Path, cfg, config_dict: dict, gps, cluster, samples, policy_dir: str
+    ) -> None:
+        self.run_dir = run_dir
+        self.cfg = cfg
+        self.config_dict = config_dict
+        self.gps = gps
+        self.cluster = cluster
+        self.samples = samples
+        self.policy_dir = Path(policy_dir)
+        self.last_step = -1
+
+    def due(self, version: int) -> bool:
+        every = self.cfg.checkpoint.interval_steps
+        return every > 0 and version % every == 0 and version != self.last_step
+
+    def save(self, coord, reason: str) -> Path:
+        t0 = time.perf_counter()
+        rl = coord.rl
+        tmp = store.begin(self.run_dir)
+        # 1. policy weights (GPS holds version rl.version: training wrote it before reporting)
+        from safetensors.torch import save_file
+
+        tensors, version = self.gps.read("policy", [0], _tp1(), device="cpu")
+        if version != rl.version:
+            raise RuntimeError(f"checkpoint: GPS holds policy v{version}, RL state v{rl.version}")
+        (tmp / "policy").mkdir()
+        save_file(
+            {k: v.detach().contiguous().clone() for k, v in tensors.items()},
+            str(tmp / "policy" / "model.safetensors"),
+            metadata={"format": "pt", "pivot_hpc_version": str(version)},
+        )
+        for f in self.policy_dir.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+                shutil.copy2(f, tmp / "policy" / f.name)
+        policy_s = time.perf_counter() - t0
+        # 2. ranks: RNG states; training state on the training ranks
+        ranks, train_s = self.cluster.save_ranks(str(tmp))
+        ranks[0] = coordinator_rng()
+        with open(tmp / "ranks.pkl", "wb") as f:
+            pickle.dump(ranks, f, protocol=pickle.HIGHEST_PROTOCOL)
+        # 3. RL state + the tokens of unfinished sequences (only those still unfinished in
+        # the coordinator's view: a peeked sequence may have finished since)
+        partials = {}
+        for (role, sid), res in self.cluster.partials().items():
+            s = coord.samples.get(sid)
+            if s is None or s.rewarded or (role == "rollout") == s.rolled_out:
+                continue
+            partials[(role, sid)] = res
+        state = {
+            "rl": rl.state(),
+            "partials": partials,
+            "rewards": list(coord.stats.rewards),
+            "genrm_stats": self.samples.genrm_stats,
+        }
+        with open(tmp / "rl_state.pkl", "wb") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        partial_tokens = sum(len(r.token_ids) for r in partials.values())
+        replay = len(rl.replay_buffer())
+        # generated work the checkpoint keeps: finished rollouts and judgements not yet
+        # trained on, plus the partial sequences' tokens
+        kept = sum(
+            s.response_len * s.rolled_out + s.judgement_len * s.rewarded
+            for b in rl.batches.values()
+            for s in b
+        )
+        info = {
+            "step": version,
+            "reason": reason,
+            "partial_sequences": len(partials),
+            "partial_tokens": partial_tokens,
+            "replay_samples": replay,
+            "generated_tokens_kept": kept + partial_tokens,
+            "save_s": time.perf_counter() - t0,
+        }
+        final = store.commit(tmp, info, self.config_dict, self.cfg.checkpoint.keep)
+        save_s = time.perf_counter() - t0
+        nbytes = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+        index = int(final.name.split("-")[1])
+        coord.telemetry.checkpoint(
+            coord.cluster.now(),
+            index,
+            version,
+            reason,
+            nbytes,
+            save_s,
+            policy_s,
+            train_s,
+            len(partials),
+            partial_tokens,
+            replay,
+        )
+        coord.telemetry.flush()
+        self.last_step = version
+        print(
+            f"pivot-hpc: checkpoint {final} ({reason}): step {version}, "
+            f"{nbytes / 2**20:.1f} MiB in {save_s:.2f}s, {len(partials)} partial sequences "
+            f"({partial_tokens} tokens), {replay} rewarded samples waiting; "
+            f"{kept + partial_tokens} generated tokens kept",
+            flush=True,
+        )
+        return final
+
+
+def load_rl_state(path: Path) -> dict[str, Any]:
+    with open(path / "rl_state.pkl", "rb") as f:
+        return pickle.load(f)
+
+
+def load_coordinator_rng(path: Path) -> None:
+    with open(path / "ranks.pkl", "rb") as f:
+        state = pickle.load(f).get(0)
+    if state is not None:
+        restore_coordinator_rng(state)

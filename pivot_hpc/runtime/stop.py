@@ -1,0 +1,40 @@
+"""Graceful stop on a signal: checkpoint, then exit with EXIT_REQUEUE.
+
+Slurm sends SIGUSR1 before the time limit (`--signal=B:USR1@N`, forwarded to every task
+by slurm/pivot.sbatch) and SIGTERM on preemption or `scancel`. Every rank installs the
+same handler; only the coordinator acts on it (it drains, checkpoints and tells all ranks
+to exit), the others keep serving until it does. A second signal is not needed and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_REQUEUE = 3  # "checkpointed, not finished: run me again with the same run dir"
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+_requested: str | None = None
+
+
+def _handler(signum, _frame) -> None:
+    global _requested
+    if _requested is None:
+        _requested = signal.Signals(signum).name
+
+
+def install() -> None:
+    for s in SIGNALS:
+        signal.signal(s, _handler)
+
+
+def requested() -> str | None:
+    """The name of the first stop signal received, or None."""
+    return _requested
+
+
+def request(reason: str) -> None:
+    """Ask for a graceful stop from code (tests, the submitit checkpoint hook)."""
+    global _requested
+    if _requested is None:
+        _requested = reason
