@@ -15,6 +15,26 @@ def fail(path: str, value: object, why: str) -> None:
     _fail(path, value, why)
 
 
+# ServerArgs the sglang adapter sets itself (pivot_hpc.engines.factory); it also relies on
+# cumulative stream chunks and on a single scheduler (no data parallelism).
+SGLANG_OWNED_ARGS = frozenset(
+    {
+        "model_path",
+        "tp_size",
+        "base_gpu_id",
+        "skip_tokenizer_init",
+        "enable_memory_saver",
+        "context_length",
+        "max_total_tokens",
+        "max_running_requests",
+        "mem_fraction_static",
+        "random_seed",
+        "incremental_streaming_output",
+        "dp_size",
+    }
+)
+
+
 @dataclass(kw_only=True)
 class InferenceEngineConfig:
     """`hf` = the CPU continuous-batching engine; `sglang` = GPU production engine."""
@@ -28,6 +48,17 @@ class InferenceEngineConfig:
     # A YAML file written by `pivot-hpc profile`; its fitted constants replace the role's
     # `throughput` section (see pivot_hpc.engines.profile.apply_profiles).
     throughput_profile: Path | None = None
+    # --- `sglang` only (pivot_hpc.engines.sglang_engine) ---
+    # GPU memory fraction for weights + KV pool; None = SGLang's own choice. The pool is
+    # further capped by the role's kv_capacity_tokens (SGLang's max_total_tokens).
+    mem_fraction_static: float | None = None
+    weight_bucket_mb: int = 512  # bytes per update_weights_from_tensor call (staging memory)
+    stream_interval: int = 16  # tokens between progress reports (sequence lengths)
+    poll_s: float = 0.005  # step() waits at most this long for a sequence to finish
+    abort_timeout_s: float = 60.0  # an abort taking longer is an error
+    # Extra SGLang ServerArgs (e.g. attention_backend, disable_cuda_graph, dtype); the
+    # adapter owns the keys in SGLANG_OWNED_ARGS.
+    server_args: dict[str, str | int | float | bool] = field(default_factory=dict)
 
     def validate(self, path: str) -> None:
         if self.max_batch < 1:
@@ -41,6 +72,22 @@ class InferenceEngineConfig:
                 f"{path}.throughput_profile",
                 str(self.throughput_profile),
                 "file not found; create it with `pivot-hpc profile`",
+            )
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            fail(f"{path}.mem_fraction_static", self.mem_fraction_static, "must be in (0, 1)")
+        for name in ("weight_bucket_mb", "stream_interval"):
+            if getattr(self, name) < 1:
+                fail(f"{path}.{name}", getattr(self, name), "must be >= 1")
+        for name in ("poll_s", "abort_timeout_s"):
+            if getattr(self, name) <= 0:
+                fail(f"{path}.{name}", getattr(self, name), "must be > 0")
+        owned = sorted(set(self.server_args) & SGLANG_OWNED_ARGS)
+        if owned:
+            fail(
+                f"{path}.server_args",
+                self.server_args,
+                f"{owned} are set by the sglang adapter (from tp, kv_capacity_tokens, max_batch, "
+                "max_seq_len, mem_fraction_static, seed); remove them",
             )
 
 

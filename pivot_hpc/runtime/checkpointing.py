@@ -65,6 +65,15 @@ class LiveCheckpointer:
     def save(self, coord, reason: str) -> Path:
         t0 = time.perf_counter()
         rl = coord.rl
+        # 0. the tokens of unfinished sequences first (the rest takes seconds, in which
+        # they would finish and their results could not be kept); only those unfinished in
+        # the coordinator's view, which does not change while it saves
+        partials = {}
+        for (role, sid), res in self.cluster.partials().items():
+            s = coord.samples.get(sid)
+            if s is None or s.rewarded or (role == "rollout") == s.rolled_out:
+                continue
+            partials[(role, sid)] = res
         tmp = store.begin(self.run_dir)
         # 1. policy weights (GPS holds version rl.version: training wrote it before reporting)
         from safetensors.torch import save_file
@@ -87,14 +96,7 @@ class LiveCheckpointer:
         ranks[0] = coordinator_rng()
         with open(tmp / "ranks.pkl", "wb") as f:
             pickle.dump(ranks, f, protocol=pickle.HIGHEST_PROTOCOL)
-        # 3. RL state + the tokens of unfinished sequences (only those still unfinished in
-        # the coordinator's view: a peeked sequence may have finished since)
-        partials = {}
-        for (role, sid), res in self.cluster.partials().items():
-            s = coord.samples.get(sid)
-            if s is None or s.rewarded or (role == "rollout") == s.rolled_out:
-                continue
-            partials[(role, sid)] = res
+        # 3. RL state
         state = {
             "rl": rl.state(),
             "partials": partials,

@@ -23,6 +23,7 @@ import torch
 from pivot_hpc.runtime.protocol import CMD, EVT
 
 LENGTHS_EVERY_S = 0.5
+ROLES = ("rollout", "reward")
 
 
 class Worker:
@@ -44,8 +45,17 @@ class Worker:
 
     def prepare(self) -> None:
         """Build the preserved context once: both engines (weights released until a shift
-        up reads them from GPS) and, on training ranks, the trainer and its process group."""
-        for role in ("rollout", "reward"):
+        up reads them from GPS) and, on training ranks, the trainer and its process group.
+
+        Exception: SGLang keeps its configuration process-wide, so when both roles use
+        sglang a worker holds one SGLang engine at a time — built at the first shift up to
+        its role, shut down when the worker shifts up to the other role (a cold start,
+        reported in the shift's reload phase)."""
+        both_sglang = all(getattr(self.cfg.engines, r).engine == "sglang" for r in ROLES)
+        self.lazy_roles = set(ROLES) if both_sglang else set()
+        for role in ROLES:
+            if role in self.lazy_roles:
+                continue
             engine = self.engines[role] = self._make_engine(role)
             engine.release_memory(weights=True)
         if self.comm.Get_rank() in self.training_ranks:
@@ -141,6 +151,11 @@ class Worker:
             self.trainer.load_weights(tensors)
             phases["read_s"] = time.perf_counter() - t1
         else:
+            if role in self.lazy_roles and role not in self.engines:
+                for other in [r for r in self.engines if r != role]:
+                    self.engines.pop(other).close()  # one SGLang engine per process
+                self.engines[role] = self._make_engine(role)
+                self.engines[role].release_memory(weights=True)
             engine = self.engines[role]
             engine.resume_memory()
             phases["reload_s"] = time.perf_counter() - t0
@@ -225,18 +240,14 @@ class Worker:
 
     # ------------------------------------------------------------- builders
     def _make_engine(self, role: str):
-        from pivot_hpc.engines.hf_engine import HFEngine
-        from pivot_hpc.models.zoo import load_model
+        from pivot_hpc.engines.factory import make_inference_engine
 
-        model, tok = load_model(self.dirs[role])
-        ec = getattr(self.cfg.engines, role)
-        return HFEngine(
-            model,
-            kv_capacity_tokens=getattr(self.cfg, role).kv_capacity_tokens,
-            max_batch=ec.max_batch,
-            eos_token_id=tok.eos_token_id,
-            num_threads=1,
+        return make_inference_engine(
+            self.cfg,
+            role,
+            self.dirs[role],
             seed=self.cfg.rl.trainer.seed + self.comm.Get_rank(),
+            gpu=self.comm.Get_rank() % (self.cfg.cluster.gpus_per_node + 1) - 1,
         )
 
     def _make_trainer(self):
