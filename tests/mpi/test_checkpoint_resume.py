@@ -1,0 +1,179 @@
+"""Checkpoints on a real local MPI world: a stop signal checkpoints (with the partial
+sequences' tokens) and exits 3; the same command resumes and trains every sample exactly
+once; `kill -9` of the whole job at random moments never leaves a torn checkpoint.
+
+`PIVOT_HPC_DECODE_DELAY_S` (a test knob of the worker) slows decoding so that sequences
+are still being generated when the test signals or kills the job.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pivot_hpc.checkpoint import store
+from pivot_hpc.runtime.checkpointing import load_rl_state
+from pivot_hpc.telemetry import open_run
+
+ROOT = Path(__file__).parents[2]
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI (mpirun)")
+
+BASE = ["loop.steps=4", "loop.batch_prompts=4", "checkpoint.interval_steps=0"]
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pivot_hpc",
+        "run",
+        "configs/tiny.yaml",
+        "--run-dir",
+        str(run_dir),
+        *overrides,
+    ]
+
+
+def run(run_dir: Path, *overrides: str, timeout: int = 420) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(run_dir: Path, log: Path, *overrides: str, delay_s: float) -> subprocess.Popen:
+    env = {**os.environ, "PIVOT_HPC_DECODE_DELAY_S": str(delay_s)}
+    return subprocess.Popen(
+        command(run_dir, *overrides),
+        cwd=ROOT,
+        stdout=open(log, "w"),  # the child keeps it; closed when it exits
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,  # mpirun and its ranks share this session: kill them all
+    )
+
+
+def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if text in log.read_text():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before {text!r}:\n{log.read_text()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} within {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+    proc.wait(timeout=30)
+    end = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout:
+        assert time.monotonic() < end, "job processes survived kill -9"
+        time.sleep(0.2)
+
+
+def trained_samples(run_dir: Path) -> np.ndarray:
+    return open_run(run_dir)["trained"]
+
+
+@pytest.mark.timeout(900)
+def test_signal_checkpoints_partial_work_and_resume_trains_each_sample_once(
+    tmp_path: Path,
+) -> None:
+    reference = tmp_path / "uninterrupted"
+    out = run(reference, *BASE)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+    run_dir, log = tmp_path / "signalled", tmp_path / "first.log"
+    proc = start(run_dir, log, *BASE, delay_s=0.1)
+    wait_for(log, "step 1/4", proc, timeout=300)
+    proc.send_signal(signal.SIGUSR1)  # what slurm/pivot.sbatch forwards before the limit
+    assert proc.wait(timeout=300) == 3, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "(SIGUSR1)" in text and "resume with the same command" in text
+
+    (ckpt,) = store.complete(run_dir)
+    manifest = store.verify(ckpt)
+    assert manifest["reason"] == "SIGUSR1" and 1 <= manifest["step"] < 4
+    state = load_rl_state(ckpt)
+    # the batches released beyond the checkpoint's step are kept, generated work included
+    assert state["rl"]["released"] > manifest["step"]
+    assert manifest["generated_tokens_kept"] > 0
+    partial = state["partials"]
+    for (role, _sid), res in partial.items():
+        assert role in ("rollout", "reward") and res.finish_reason == "abort"
+        assert len(res.token_ids) == len(res.logprobs) > 0
+
+    out = run(run_dir, *BASE)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"resuming from {ckpt}" in out.stdout and "pivot-hpc: done: 4 steps" in out.stdout
+
+    r = open_run(run_dir)
+    assert len(r.files) == 2 and r.file_meta[1]["resumed_from"] == ckpt.name
+    assert list(r["steps"]["step"]) == [0, 1, 2, 3]
+    got, want = r["trained"], trained_samples(reference)
+    assert len(np.unique(got["sample_id"])) == len(got) == 4 * 16  # each once, none missing
+    key = ("step", "prompt_index", "group")
+    assert sorted(map(tuple, got[list(key)].tolist())) == sorted(
+        map(tuple, want[list(key)].tolist())
+    )  # the same data, batches and steps as the uninterrupted run with the same seed
+    # saved partial rollouts finished from their saved tokens in the second allocation
+    by_id = {int(s["sample_id"]): s for s in got}
+    for (role, sid), res in partial.items():
+        if role == "rollout":
+            assert by_id[sid]["response_tokens"] >= len(res.token_ids)
+    assert (r["steps"]["staleness_max"] <= 2).all()
+
+
+@pytest.mark.timeout(1200)
+def test_kill_9_at_random_moments_always_resumes_from_a_complete_checkpoint(
+    tmp_path: Path,
+) -> None:
+    steps = 12
+    overrides = [f"loop.steps={steps}", "loop.batch_prompts=2", "checkpoint.interval_steps=1"]
+    run_dir = tmp_path / "run"
+    rng = random.Random(7)
+    kills = 0
+    seen_steps = []
+    while kills < 10:
+        log = tmp_path / f"alloc-{kills}.log"
+        proc = start(run_dir, log, *overrides, delay_s=0.02)
+        if kills % 3 == 0:  # somewhere in start-up: models, GPS, workers, restore
+            time.sleep(rng.uniform(1.0, 10.0))
+        else:  # while it works: rollout, reward, training, checkpoint writing
+            wait_for(log, "pivot-hpc: checkpoint", proc, timeout=300)
+            time.sleep(rng.uniform(0.0, 2.5))
+        if proc.poll() is not None:
+            assert proc.returncode == 0, log.read_text()[-3000:]
+            break
+        kill_session(proc)
+        kills += 1
+        for ckpt in store.complete(run_dir):  # every complete checkpoint is whole
+            store.verify(ckpt)
+        newest = store.newest(run_dir)
+        seen_steps.append(store.verify(newest)["step"] if newest else 0)
+        if (run_dir / "telemetry").is_dir() and any((run_dir / "telemetry").iterdir()):
+            open_run(run_dir)  # every file written before a kill still opens
+    out = run(run_dir, *overrides)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"pivot-hpc: done: {steps} steps" in out.stdout
+    assert seen_steps == sorted(seen_steps)  # progress is never lost to a later kill
+    assert kills >= 10, f"the job finished after {kills} kills: kill earlier"
+    r = open_run(run_dir)
+    last = {}  # step -> its rows of the last allocation that trained it
+    for step in range(steps):
+        rows = r["trained"][r["trained"]["step"] == step]
+        assert len(rows) % 8 == 0 and len(rows) >= 8  # 2 prompts × 4 samples, maybe redone
+        last[step] = rows[-8:]
+    ids = np.concatenate([last[s]["sample_id"] for s in range(steps)])
+    assert len(np.unique(ids)) == len(ids) == steps * 8
+    assert not any(p.name.startswith(".") for p in store.checkpoints_dir(run_dir).iterdir())
