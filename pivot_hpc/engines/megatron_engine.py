@@ -1,12 +1,16 @@
 """The `megatron` TrainEngine: megatron-core GPTModel (local spec) trained with GRPO.
 
 Model: `megatron_model.build_gpt_model`, wrapped in megatron's DistributedDataParallel
-(gradients land in contiguous `main_grad` buffers, reduced over data parallelism).
-Optimizer: a plain torch AdamW over the wrapped parameters (megatron's own optimizer
-hard-codes CUDA and its distributed optimizer does not run on CPU; PLATFORM.md); the
-gradient norm is computed tensor-parallel aware. Checkpoints: megatron
-dist_checkpointing, with the optimizer state sharded like the parameters it belongs to,
-so a checkpoint loads under another TP size too.
+(gradients land in contiguous fp32 `main_grad` buffers, reduced over data parallelism).
+Optimizer: a plain torch AdamW (megatron's own optimizer hard-codes CUDA and its
+distributed optimizer does not run on CPU; PLATFORM.md), so CPU and GPU run one code path.
+With fp32 parameters (the CPU default) it steps the parameters themselves; with bf16
+parameters (the GPU default, `trainer.dtype`) it steps fp32 master copies and casts them
+back after each step, as megatron's mixed-precision optimizer does. The gradient norm is
+computed tensor-parallel aware. On a GPU the process group is NCCL and the optimizer
+state (moments and master weights) offloads to pinned host memory. Checkpoints: megatron
+dist_checkpointing, with the optimizer state (and master weights) sharded like the
+parameters they belong to, so a checkpoint loads under another TP size too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pivot_hpc.rl.config import GRPOConfig, TrainerConfig
 from pivot_hpc.rl.grpo import ppo_clip_loss, sft_loss
 
 PAD_ID = 0
+MASTER_KEY = "fp32_param"  # checkpoint key of the master weights (bf16 models only)
 
 
 class MegatronTrainEngine:
@@ -52,7 +57,8 @@ class MegatronTrainEngine:
         self.model_cfg = model_cfg
         self.cfg = trainer or TrainerConfig()
         self.grpo = grpo or GRPOConfig()
-        init_distributed(self.cfg.tp)
+        init_distributed(self.cfg.tp, seed=self.cfg.seed)
+        self.dtype = self.cfg.resolved_dtype(cuda=torch.cuda.is_available())
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -60,7 +66,7 @@ class MegatronTrainEngine:
         self.dp = parallel_state.get_data_parallel_world_size()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed)
-            gpt = build_gpt_model(model_cfg, self.tp)
+            gpt = build_gpt_model(model_cfg, self.tp, self.dtype)
         self.model = DistributedDataParallel(
             config=gpt.config,
             ddp_config=DistributedDataParallelConfig(
@@ -70,8 +76,14 @@ class MegatronTrainEngine:
         )
         self.gpt = gpt
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # fp32 master weights when the model is not fp32 (same order as self.params, which
+        # the checkpoint's optimizer-state sharding relies on)
+        self._master: list[torch.Tensor] | None = None
+        if any(p.dtype != torch.float32 for p in self.params):
+            self._master = [p.detach().float().clone() for p in self.params]
+        self._opt_params = self._master if self._master is not None else self.params
         self.optimizer = torch.optim.AdamW(
-            self.params,
+            self._opt_params,
             lr=self.cfg.lr,
             betas=tuple(self.cfg.betas),
             eps=self.cfg.eps,
@@ -81,6 +93,7 @@ class MegatronTrainEngine:
         self.version = 0
         self.steps = 0
         self._host_optimizer_state: dict | None = None
+        self._host_master: list[torch.Tensor] | None = None
 
     # ----------------------------------------------------------------- weights
     def load_weights(self, tensors: Tensors) -> None:
@@ -90,21 +103,28 @@ class MegatronTrainEngine:
         missing = set(own) - set(shard)
         if missing:
             raise KeyError(f"load_weights: no tensors for {sorted(missing)[:4]}…")
+        index = {id(p): i for i, p in enumerate(self.params)}
         with torch.no_grad():
             for name, p in own.items():
                 p.copy_(shard[name].to(p.dtype))
+                if self._master is not None:
+                    # masters take the source precision, not the bf16-rounded parameter
+                    i = index[id(p)]
+                    dst = self._host_master[i] if self.optimizer_offloaded else self._master[i]
+                    dst.copy_(shard[name].float())
 
     def export_weights(self) -> Tensors:
         """Canonical HF tensors on every rank (shards all-gathered over tensor parallelism)."""
-        own = {k: v.detach().cpu() for k, v in self.gpt.named_parameters()}
+        own = {k: v.detach() for k, v in self.gpt.named_parameters()}
         if self.tp == 1:
-            return megatron_to_hf([own], self.model_cfg)
+            return megatron_to_hf([{k: v.cpu() for k, v in own.items()}], self.model_cfg)
         shards: list[Tensors] = [{} for _ in range(self.tp)]
         for name, t in own.items():
+            # gathered where the parameters live: NCCL moves device tensors only
             parts = [torch.empty_like(t) for _ in range(self.tp)]
             dist.all_gather(parts, t.contiguous(), group=self.tp_group)
             for r in range(self.tp):
-                shards[r][name] = parts[r]
+                shards[r][name] = parts[r].cpu()
         return megatron_to_hf(shards, self.model_cfg)
 
     def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -188,19 +208,20 @@ class MegatronTrainEngine:
 
     # ------------------------------------------------------------ training
     def _global_tokens(self, batch: TrainBatch) -> float:
-        n = torch.tensor([float(sum(len(r) for r in batch.response_ids))])
+        n = torch.tensor([float(sum(len(r) for r in batch.response_ids))], device=self.device)
         if self.dp > 1:
             dist.all_reduce(n, group=self.dp_group)
         return float(n.item())
 
     def _grad_norm(self) -> float:
         """L2 norm of the full (unsharded) gradient: TP-sharded parts summed over ranks."""
-        sharded = torch.zeros(1, dtype=torch.float64)
-        replicated = torch.zeros(1, dtype=torch.float64)
-        for p in self.params:
-            if p.grad is None:
+        # accumulated on the parameters' device: NCCL reduces device tensors only
+        sharded = torch.zeros(1, dtype=torch.float64, device=self.device)
+        replicated = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for p, q in zip(self.params, self._opt_params, strict=True):
+            if q.grad is None:
                 continue
-            sq = p.grad.detach().double().pow(2).sum().cpu()
+            sq = q.grad.detach().double().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
@@ -254,19 +275,23 @@ class MegatronTrainEngine:
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.model.finish_grad_sync()
-        for p in self.params:
-            p.grad = p.main_grad.to(p.dtype) if p.main_grad.dtype != p.dtype else p.main_grad
+        for p, q in zip(self.params, self._opt_params, strict=True):
+            q.grad = p.main_grad.to(q.dtype) if p.main_grad.dtype != q.dtype else p.main_grad
         grad_norm = self._grad_norm()
         if self.cfg.grad_clip > 0 and math.isfinite(grad_norm) and grad_norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (grad_norm + 1e-6)
-            for p in self.params:
-                p.grad.mul_(scale)
+            for q in self._opt_params:
+                q.grad.mul_(scale)
         lr = self._lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        if self._master is not None:
+            with torch.no_grad():
+                for p, m in zip(self.params, self._master, strict=True):
+                    p.copy_(m)
+        for q in self._opt_params:
+            q.grad = None
         self.steps += 1
         self.version += 1
         tok = max(sums.pop("tokens", 0.0), 1.0)
@@ -278,37 +303,52 @@ class MegatronTrainEngine:
 
     # ------------------------------------------------------ optimizer offload
     def offload_optimizer(self) -> None:
-        """Optimizer state → host memory (pinned when a GPU exists); device copies freed."""
+        """Optimizer state (Adam moments, fp32 master weights) → host memory; the device
+        copies are freed and, on a GPU, returned to the driver so another role's process
+        can use the memory. On a GPU the host copies are pinned and written by async copies
+        (one synchronize at the end), so reload is a full-bandwidth DMA."""
         if self._host_optimizer_state is not None:
             return
-        pin = torch.cuda.is_available()
+        pin = self.device.type == "cuda"
         host: dict = {}
-        for p in self.params:
-            st = self.optimizer.state.get(p)
+        for q in self._opt_params:
+            st = self.optimizer.state.get(q)
             if not st:
                 continue
-            host[id(p)] = {
-                k: (v.detach().to("cpu", copy=True).pin_memory() if pin else v.detach().clone())
-                if torch.is_tensor(v)
-                else v
-                for k, v in st.items()
-            }
+            host[id(q)] = {k: _to_host(v, pin) if torch.is_tensor(v) else v for k, v in st.items()}
+        if self._master is not None:
+            self._host_master = [_to_host(m, pin) for m in self._master]
+        if pin:
+            torch.cuda.synchronize(self.device)
+        if self._master is not None:
+            for m in self._master:  # same tensor object: the optimizer keeps its key
+                m.data = torch.empty(0, dtype=m.dtype, device=m.device)
         self.optimizer.state.clear()
         self._host_optimizer_state = host
+        if pin:
+            torch.cuda.empty_cache()
 
     def reload_optimizer(self) -> None:
         host = self._host_optimizer_state
         if host is None:
             return
-        for p in self.params:
-            if id(p) in host:
-                self.optimizer.state[p] = {
-                    k: v.to(p.device if k != "step" else v.device, copy=True)
+        pin = self.device.type == "cuda"
+        if self._master is not None and self._host_master is not None:
+            for m, h in zip(self._master, self._host_master, strict=True):
+                m.data = h.to(self.device, non_blocking=pin, copy=True)
+        for q in self._opt_params:
+            if id(q) in host:
+                # AdamW keeps `step` on the CPU (non-capturable); moments live with q
+                self.optimizer.state[q] = {
+                    k: v.to(q.device if k != "step" else v.device, non_blocking=pin, copy=True)
                     if torch.is_tensor(v)
                     else v
-                    for k, v in host[id(p)].items()
+                    for k, v in host[id(q)].items()
                 }
+        if pin:
+            torch.cuda.synchronize(self.device)  # the pinned sources may be freed now
         self._host_optimizer_state = None
+        self._host_master = None
 
     @property
     def optimizer_offloaded(self) -> bool:
@@ -316,12 +356,12 @@ class MegatronTrainEngine:
 
     # ------------------------------------------------------------ checkpoints
     def _init_optimizer_state(self) -> None:
-        for p in self.params:
-            if not self.optimizer.state.get(p):
-                self.optimizer.state[p] = {
+        for q in self._opt_params:
+            if not self.optimizer.state.get(q):
+                self.optimizer.state[q] = {
                     "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
+                    "exp_avg": torch.zeros_like(q),
+                    "exp_avg_sq": torch.zeros_like(q),
                 }
 
     def _sharded_state_dict(self) -> dict:
@@ -338,6 +378,11 @@ class MegatronTrainEngine:
         steps = {int(v["step"].item()) for v in opt_sd["state"].values()}
         if len(steps) > 1:
             raise RuntimeError(f"parameters have different optimizer steps {steps}")
+        if self._master is not None:
+            # master weights travel as one more per-parameter optimizer tensor, sharded
+            # like the parameter (state ids are positions in self.params)
+            for i, m in enumerate(self._master):
+                opt_sd["state"][i] = {**opt_sd["state"][i], MASTER_KEY: m}
         optim_state_to_sharding_state(opt_sd, id_map, exclude_keys=("step",))
         return {
             "model": model_sd,
@@ -371,8 +416,23 @@ class MegatronTrainEngine:
             raise KeyError(f"checkpoint {path} lacks {real_missing[:4]}")
         opt = state["optimizer"]
         step = torch.tensor(float(state["engine"]["optimizer_step"]))
-        for st in opt["state"].values():
+        for i, st in opt["state"].items():
             st["step"] = step.clone()
+            master = st.pop(MASTER_KEY, None)
+            if self._master is not None:
+                with torch.no_grad():
+                    src = master if master is not None else self.params[i]
+                    self._master[i].copy_(src.to(self._master[i].device, torch.float32))
         self.optimizer.load_state_dict(opt)
         self.steps = int(state["engine"]["steps"])
         self.version = int(state["engine"]["version"])
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host copy of `t`: pinned and filled by an async copy on a GPU (the caller
+    synchronizes once for all of them), a plain clone on CPU."""
+    if not pin:
+        return t.detach().clone()
+    h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    h.copy_(t.detach(), non_blocking=True)
+    return h

@@ -25,21 +25,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def select_cuda_device(device: int | None = None) -> int:
+    """The GPU this process trains on: `device`, else $LOCAL_RANK (torchrun, srun wrappers),
+    else whatever the launcher already chose with `torch.cuda.set_device` /
+    CUDA_VISIBLE_DEVICES (default 0). NCCL needs one distinct device per rank."""
+    if device is None and "LOCAL_RANK" in os.environ:
+        device = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
+    if device is not None:
+        torch.cuda.set_device(device)
+    return torch.cuda.current_device()
+
+
 def init_distributed(
     tp: int = 1,
     *,
     rank: int | None = None,
     world_size: int | None = None,
     init_method: str | None = None,
+    seed: int = 0,
+    device: int | None = None,
 ) -> None:
     """Join (or create) the torch.distributed world and megatron's model-parallel groups.
 
-    Without arguments and outside any launcher this makes a 1-process gloo world, so a
-    single process (tests, SFT warm-up, the embedded loop) runs real Megatron code.
+    Without arguments and outside any launcher this makes a 1-process world (gloo on CPU,
+    NCCL on a GPU), so a single process (tests, SFT warm-up, the embedded loop) runs real
+    Megatron code. The world and the groups are made once per process; later calls (a
+    second engine) reuse them. On CUDA `seed` seeds megatron's model-parallel RNG tracker
+    (first call only); `device` picks the GPU (see `select_cuda_device`).
     """
     from megatron.core import parallel_state
 
-    megatron_cpu_shim.apply()
+    on_cpu = megatron_cpu_shim.apply()
+    if not on_cpu:
+        select_cuda_device(device)
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -50,7 +68,7 @@ def init_distributed(
                 init_method = f"file://{tempfile.mkdtemp(prefix='pivot_pg_')}/store"
             else:
                 raise RuntimeError("init_distributed: pass init_method for a multi-process world")
-        backend = "gloo" if megatron_cpu_shim.needed() else "nccl"
+        backend = "gloo" if on_cpu else "nccl"
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -64,10 +82,20 @@ def init_distributed(
             raise RuntimeError(f"model parallel already initialised with TP={have}, asked TP={tp}")
         return
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    megatron_cpu_shim.reset_rng_tracker()
+    if on_cpu:
+        megatron_cpu_shim.reset_rng_tracker()
+    else:
+        from megatron.core import tensor_parallel
+
+        # the real CUDA tracker: GPU weight init and attention's RNG fork need its
+        # "model-parallel-rng" state (seed + 2718 + tp_rank, as megatron's training does)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def transformer_config(cfg: ModelConfig, tp: int):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def transformer_config(cfg: ModelConfig, tp: int, dtype: str = "fp32"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = megatron_cpu_shim.needed()
@@ -95,17 +123,24 @@ def transformer_config(cfg: ModelConfig, tp: int):
         tensor_model_parallel_size=tp,
         use_cpu_initialization=on_cpu,
         init_method_std=cfg.initializer_range,
-        params_dtype=torch.float32,
+        params_dtype=DTYPES[dtype],
+        bf16=dtype == "bf16",  # softmax casts its bf16 input to fp32 and back
         attention_softmax_in_fp32=True,
     )
 
 
-def build_gpt_model(cfg: ModelConfig, tp: int = 1):
-    """A GPTModel for this rank's tensor-parallel shard (call `init_distributed` first)."""
+def build_gpt_model(cfg: ModelConfig, tp: int = 1, dtype: str = "fp32"):
+    """A GPTModel for this rank's tensor-parallel shard (call `init_distributed` first).
+
+    On a GPU the weights are initialised on the current CUDA device (megatron's GPU init,
+    seeded by `init_distributed`); on CPU with `use_cpu_initialization`. `dtype` "bf16"
+    makes every parameter bf16 (what megatron's Float16Module does to a model)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    tcfg = transformer_config(cfg, tp)
+    if dtype not in DTYPES:
+        raise ValueError(f"build_gpt_model: dtype={dtype!r}; valid: {sorted(DTYPES)}")
+    tcfg = transformer_config(cfg, tp, dtype)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -118,8 +153,11 @@ def build_gpt_model(cfg: ModelConfig, tp: int = 1):
         rotary_base=int(cfg.rope_theta),
         parallel_output=True,
     )
+    if dtype == "bf16":
+        # the local spec's torch norms are created in fp32 whatever params_dtype says
+        model = model.to(torch.bfloat16)
     if not megatron_cpu_shim.needed():
-        model = model.cuda()
+        model = model.cuda(torch.cuda.current_device())
     return model
 
 

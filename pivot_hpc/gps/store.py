@@ -26,8 +26,9 @@ from pivot_hpc.gps.config import GPSConfig
 from pivot_hpc.gps.layout import GIB, HostLayout, choose_group_size
 from pivot_hpc.gps.links import LinkModel
 from pivot_hpc.gps.nodes import split_nodes
+from pivot_hpc.gps.pinned import DirectLocalCopy
 from pivot_hpc.gps.plan import Plan, PlanCache, build_read_plan, build_write_plan, check_request
-from pivot_hpc.gps.transport import Arena, Batch, LocalCopy
+from pivot_hpc.gps.transport import Arena, Batch
 from pivot_hpc.gps.transport_nixl import NixlTransport, nixl_available
 from pivot_hpc.gps.transport_rma import RmaTransport
 
@@ -85,7 +86,9 @@ class GlobalParameterStorage:
         self._win = MPI.Win.Create(self.buf if nodes.is_host else MPI.BOTTOM, 1, comm=comm)
         self.links = LinkModel.from_config(cfg, nodes.num_nodes)
         self.plans = PlanCache()
-        self.local = LocalCopy(self.buf)
+        # node-local copies; Reads into VRAM go straight out of the window, page-locked
+        # for CUDA on first use (pinned.py)
+        self.local = DirectLocalCopy(self.buf)
         max_bytes = cfg.max_transfer_mib << 20
         choice = cfg.transport
         if choice == "auto":
@@ -193,6 +196,9 @@ class GlobalParameterStorage:
         Called by each rank of G, independently (no collective, the hosts do nothing).
         Returns numpy arrays (bfloat16 as uint16 bit patterns) when `device` is None,
         torch tensors on `device` otherwise. With `arena` the shards are views into it.
+        On a CUDA device the node-local bytes are DMA'd from the page-locked window
+        straight into the arena (see `pin_host_memory`); pass a reused arena (`make_arena`)
+        to keep the VRAM allocation out of the timed path.
         """
         plan, i = self._read_plan(model, ranks, parallelism)
         sh = plan.shards[i]
@@ -200,6 +206,8 @@ class GlobalParameterStorage:
             arena = Arena(sh.arena_bytes, device)
         elif arena.nbytes != sh.arena_bytes:
             raise GPSError(f"arena of {arena.nbytes} B does not fit this read ({sh.arena_bytes} B)")
+        elif device is None and arena.torch is not None:
+            device = arena.device  # a torch arena (make_arena(device=...)) yields its tensors
         version = -1
         try:
             for _ in range(self.cfg.read_retries):
@@ -287,6 +295,12 @@ class GlobalParameterStorage:
         comm.Barrier()
         return new
 
+    def pin_host_memory(self) -> bool:
+        """Page-lock this node's window for CUDA DMA in this process now (otherwise the
+        first Read into VRAM does it). Needs a CUDA device; returns whether it worked
+        (if not, `self.local.registration.error` says why and Reads use staged copies)."""
+        return self.local.pin().ok
+
     def host_shard(self, model: str, name: str, version: int | None = None) -> np.ndarray:
         """This node's member block of one tensor (host-side view; for checks and tests)."""
         spec = self._spec(model)
@@ -303,6 +317,7 @@ class GlobalParameterStorage:
     def close(self) -> None:
         """Collective over the world: release transports and windows."""
         self.world.Barrier()
+        self.local.close()  # unpin before the window's memory goes away
         self.remote.close()
         for g in sorted(self._groups):  # same order on every member
             self._groups[g].Free()

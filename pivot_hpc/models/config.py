@@ -93,6 +93,21 @@ class ModelsConfig:
     seed: int = 0
     cache_dir: Path | None = None  # None = $PIVOT_HPC_CACHE or ~/.cache/pivot_hpc
     max_digits: int = 2  # synthetic task: operands have 1..max_digits digits
+    # Real models (Hugging Face directories on a shared file system; nothing is downloaded).
+    # When set, they replace the tiny generated policy / GenRM above.
+    policy_path: Path | None = None
+    genrm_path: Path | None = None
+
+    def validate(self, path: str) -> None:
+        for name in ("policy_path", "genrm_path"):
+            d = getattr(self, name)
+            if d is not None and not (Path(d) / "config.json").is_file():
+                fail(
+                    f"{path}.{name}",
+                    str(d),
+                    "not a Hugging Face model directory (no config.json): give the local "
+                    "directory of the model's weights, config and tokenizer",
+                )
 
 
 def cache_root(cache_dir: Path | str | None = None) -> Path:

@@ -89,7 +89,11 @@ def build_model(cfg: ModelsConfig, kind: str, out: Path, progress: bool = True) 
 
 
 def ensure_model(cfg: ModelsConfig, kind: str, progress: bool = True) -> Path:
-    """The cached directory of `kind` ("policy" or "genrm"), building it if absent."""
+    """The cached directory of `kind` ("policy" or "genrm"), building it if absent; the
+    configured real model's directory (`models.policy_path` / `genrm_path`) if one is set."""
+    real = getattr(cfg, f"{kind}_path", None)
+    if real is not None:
+        return Path(real)
     final = model_dir(cfg, kind)
     if (final / "meta.json").is_file():
         return final

@@ -133,6 +133,13 @@ def use_profiles(cfg: Config, dirs) -> None:
         ec = getattr(cfg.engines, role)
         if ec.throughput_profile is not None:
             continue
+        if ec.engine != "hf":  # no brief CPU profile of a GPU engine: the config's constants
+            print(
+                f"pivot-hpc: engines.{role}.engine={ec.engine} has no throughput_profile; "
+                f"using {role}.throughput from the config (fit one with `pivot-hpc profile`)",
+                flush=True,
+            )
+            continue
         path = cache_root(cfg.models.cache_dir) / "profiles" / f"hf-{Path(path_dir).name}.yaml"
         if not path.is_file():
             t0 = time.monotonic()
