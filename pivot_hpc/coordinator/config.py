@@ -37,6 +37,10 @@ class LoopConfig:
     batch_prompts: int = 64
     samples_per_prompt: int = 8
     monitor_interval_s: float = 1.0  # telemetry rows and length sync
+    # Held-out evaluation (greedy accuracy on rl.data.validation), at the start and end of
+    # every allocation and every `eval_every_steps` steps (0: start and end only).
+    eval_problems: int = 64  # 0 = off
+    eval_every_steps: int = 0
 
     def validate(self, path: str) -> None:
         if self.steps < 1:
@@ -46,6 +50,12 @@ class LoopConfig:
                 f"{path}.batch_prompts",
                 (self.batch_prompts, self.samples_per_prompt),
                 "must be >= 1",
+            )
+        if self.eval_problems < 0 or self.eval_every_steps < 0:
+            fail(
+                f"{path}.eval_problems",
+                (self.eval_problems, self.eval_every_steps),
+                "eval_problems and eval_every_steps must be >= 0 (0 = off / start and end)",
             )
         if self.monitor_interval_s <= 0:
             fail(f"{path}.monitor_interval_s", self.monitor_interval_s, "must be > 0")

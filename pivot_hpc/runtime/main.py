@@ -155,6 +155,16 @@ def use_profiles(cfg: Config, dirs) -> None:
     apply_profiles(cfg)
 
 
+def held_out_summary(evaluator) -> str:
+    if evaluator is None or len(evaluator.history) < 2:
+        return ""
+    first, last = evaluator.history[0], evaluator.history[-1]
+    return (
+        f", held-out accuracy {first.accuracy:.3f} (v{first.version}) → "
+        f"{last.accuracy:.3f} (v{last.version})"
+    )
+
+
 def _wait_for_stop(comm) -> int:
     from pivot_hpc.runtime.protocol import CMD
 
@@ -277,6 +287,29 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         coord.stats.rewards = list(restored["rewards"])
         ckpt.last_step = rl.version
     coord.stop_requested = lambda: stop.requested() is not None
+    evaluator = None
+    if cfg.engines.rollout.engine == "hf" and cfg.loop.eval_problems > 0:
+        from pivot_hpc.runtime.evaluation import Evaluator, validation_problems
+
+        held_out = validation_problems(cfg, pool)
+        if held_out:
+            evaluator = Evaluator(cfg, gps, dirs[0], tok, held_out)
+
+    def evaluate() -> None:
+        ev = evaluator.run()
+        writer.evaluation(
+            cluster.now(), ev.version, ev.accuracy, ev.mean_verifiable, ev.problems, ev.seconds
+        )
+        writer.flush()
+        print(
+            f"eval v{ev.version}: held-out accuracy {ev.accuracy:.3f} "
+            f"(mean verifiable reward {ev.mean_verifiable:.3f}) on {ev.problems} problems, "
+            f"greedy, {ev.seconds:.1f}s",
+            flush=True,
+        )
+
+    if evaluator is not None:
+        evaluate()  # the starting point (workers are still preparing meanwhile)
     started = time.monotonic()
 
     def log_step(step: int, m: dict) -> None:
@@ -295,6 +328,8 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
 
     def on_step(step: int, m: dict) -> None:
         log_step(step, m)
+        if evaluator is not None and (coord.rl.done or evaluator.due(coord.rl.version)):
+            evaluate()
         if coord.rl.done:  # the final policy, loadable as an HF model; also lets a later
             ckpt.save(coord, "final")  # run with a larger loop.steps continue from here
         elif ckpt.due(coord.rl.version):
@@ -320,12 +355,12 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         return stop.EXIT_REQUEUE
     cluster.stop(0)
     wall = time.monotonic() - started
-    r = coord.stats.rewards
+    r = coord.stats.rewards or [float("nan")]
     print(
         f"pivot-hpc: done: {cfg.loop.steps} steps in {wall:.1f}s, "
         f"{coord.tokens_total / max(coord.last_step_end - coord.first_step_start, 1e-9):.0f} "
         f"tokens/s (rollout+reward), {coord.stats.shifts_up} shift-ups, reward "
-        f"{r[0]:.3f} → {r[-1]:.3f}; GenRM unparsable {samples.genrm_stats.unparsable}/"
+        f"{r[0]:.3f} → {r[-1]:.3f}{held_out_summary(evaluator)}; GenRM unparsable {samples.genrm_stats.unparsable}/"
         f"{samples.genrm_stats.judged}; telemetry in {writer.path}",
         flush=True,
     )

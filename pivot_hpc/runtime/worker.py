@@ -182,6 +182,11 @@ class Worker:
         self.send(("shift", "down", phases))
 
     def train(self, step: int, batch) -> None:
+        # data parallelism: each DP rank trains on its share of the batch (advantages were
+        # computed over whole groups by the coordinator); gradients are averaged by DDP
+        dp, d = self.trainer.dp, self._dp_rank()
+        if dp > 1:
+            batch = shard(batch, d, dp)
         if self.reference is not None:
             from pivot_hpc.rl.grpo import reference_logprobs
 
@@ -198,6 +203,11 @@ class Worker:
             version = self.gps.write("policy", self.training_ranks[:1], _tp1(), shards)
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
         self.send(("trained", step, metrics))
+
+    def _dp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
 
     # ---------------------------------------------------------- checkpoints
     def _rng_state(self) -> dict:
@@ -263,6 +273,26 @@ class Worker:
         os.environ["WORLD_SIZE"] = str(len(self.training_ranks))
         torch.set_num_threads(1)
         return MegatronTrainEngine(model_config_of(model), self.cfg.rl.trainer, self.cfg.rl.grpo)
+
+
+def shard(batch, d: int, dp: int):
+    """Rows d, d+dp, d+2dp, … of a TrainBatch (data-parallel rank d of dp)."""
+    import dataclasses
+
+    rows = range(d, len(batch), dp)
+
+    def pick(xs):
+        return None if xs is None else [xs[i] for i in rows]
+
+    return dataclasses.replace(
+        batch,
+        prompt_ids=pick(batch.prompt_ids),
+        response_ids=pick(batch.response_ids),
+        advantages=pick(batch.advantages) or [],
+        old_logprobs=pick(batch.old_logprobs),
+        ref_logprobs=pick(batch.ref_logprobs),
+        versions=pick(batch.versions),
+    )
 
 
 def _tp1():

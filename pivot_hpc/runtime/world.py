@@ -58,11 +58,12 @@ def check_launch(cfg: Config, size: int) -> None:
             "+ 1 host rank); launch with that many tasks (sbatch --ntasks-per-node="
             f"{cfg.cluster.gpus_per_node + 1}) or change cluster.*"
         )
-    if len(cfg.training_gpus()) != cfg.rl.trainer.tp:
+    n_train = len(cfg.training_gpus())
+    if n_train % cfg.rl.trainer.tp:
         raise LayoutError(
-            f"training.num_gpus={len(cfg.training_gpus())} but rl.trainer.tp="
-            f"{cfg.rl.trainer.tp}: the live trainer runs tensor parallelism only (no data "
-            "parallelism yet); set them equal"
+            f"training.num_gpus={n_train} is not a multiple of rl.trainer.tp="
+            f"{cfg.rl.trainer.tp}: training runs tp-way tensor parallelism × "
+            "num_gpus/tp-way data parallelism; make num_gpus a multiple of tp"
         )
     ntasks = os.environ.get("SLURM_NTASKS")
     if ntasks is not None and int(ntasks) != size:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: + `trained`, `checkpoints`
+SCHEMA_VERSION = 2  # 2: + `trained`, `checkpoints`, `evals`
 
 # Fixed-length byte strings keep the datasets readable by plain h5py/numpy (no vlen types).
 ROLE = "S16"
@@ -119,9 +119,17 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
         ("partial_tokens", "i8", "tokens", "generated tokens those sequences carry"),
         ("replay_samples", "i8", "samples", "rewarded samples waiting for training"),
     ],
+    "evals": [
+        ("t", "f8", "s", "time the evaluation finished"),
+        ("version", "i8", "", "policy version evaluated (= RL steps trained)"),
+        ("accuracy", "f8", "", "greedy accuracy on the held-out validation problems"),
+        ("reward_verifiable_mean", "f8", "", "mean verifiable reward of those responses"),
+        ("problems", "i8", "", "validation problems"),
+        ("seconds", "f8", "s", "wall time of the evaluation"),
+    ],
 }
 # Datasets added after schema version 1: a file of an older version reads them as empty.
-ADDED_IN = {"trained": 2, "checkpoints": 2}
+ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2}
 
 DATASETS: tuple[str, ...] = tuple(FIELDS)
 

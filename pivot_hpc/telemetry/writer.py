@@ -349,6 +349,19 @@ class TelemetryWriter:
             )
         )
 
+    def evaluation(
+        self,
+        t: float,
+        version: int,
+        accuracy: float,
+        reward_verifiable_mean: float,
+        problems: int,
+        seconds: float,
+    ) -> None:
+        self._buf["evals"].append(
+            (t + self._t0, version, accuracy, reward_verifiable_mean, problems, seconds)
+        )
+
     # ------------------------------------------------------------------ disk
     def rows(self, name: str) -> int:
         """Rows of dataset `name` written to disk so far (buffered rows not counted)."""

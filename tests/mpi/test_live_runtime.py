@@ -50,7 +50,9 @@ def run(run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 
 
 @pytest.mark.parametrize("mode", ["pivot", "disaggregated", "colocated", "rr_colocated"])
 def test_every_mode_completes(tmp_path: Path, mode: str) -> None:
-    out = run(tmp_path, f"deployment.mode={mode}")
+    # disaggregated also trains data-parallel: 2 training ranks (tp 1 × dp 2)
+    extra = ["training.num_gpus=2"] if mode == "disaggregated" else []
+    out = run(tmp_path, f"deployment.mode={mode}", *extra)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("step ") >= 3 and "pivot-hpc: done: 3 steps" in out.stdout
     r = open_run(tmp_path)
@@ -68,6 +70,9 @@ def test_every_mode_completes(tmp_path: Path, mode: str) -> None:
         assert len(downs) and (shifts["t"][shifts["kind"] == "up"] > downs.min()).any()
     if mode == "pivot":
         assert len(r["planner"]) > 0
+    if mode == "disaggregated":
+        assert (shifts["gpus"][shifts["role"] == "training"] == 2).all()
+        assert (r["allocation"]["training_gpus"][-1:] == 2).all()
 
 
 def test_pivot_migrates_sequences_and_keeps_tokens(tmp_path: Path) -> None:

@@ -421,7 +421,7 @@ def test_schema_1_files_read_the_newer_datasets_as_empty(tmp_path: Path) -> None
         w.step(0, 0.0, 1.0, 10, 5, 20, 4, 0.5, 0.5, 0.0, 0.1, 0, 0.0, 1)
     path = tmp_path / "telemetry" / "alloc-001.h5"
     with h5py.File(path, "r+") as f:  # rewrite it as a schema-1 file
-        del f["trained"], f["checkpoints"]
+        del f["trained"], f["checkpoints"], f["evals"]
         f.attrs["schema_version"] = 1
     r = open_run(tmp_path)
     assert len(r["steps"]) == 1

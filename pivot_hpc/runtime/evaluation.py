@@ -1,0 +1,104 @@
+"""Held-out evaluation of the live policy: greedy accuracy on a fixed validation set.
+
+Per-step training rewards are noisy (a few prompts, sampled responses); whether RL is
+working shows in a fixed set of unseen problems answered greedily by the current policy.
+The coordinator reads the policy from GPS and decodes the set with the `hf` engine on its
+own rank — at the start, every `loop.eval_every_steps` steps and at the end. Only for the
+embedded CPU default (`hf` rollout engine): a GPU run evaluates on its GPU engines.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pivot_hpc.data.problem import Problem
+from pivot_hpc.engines.base import SamplingParams
+from pivot_hpc.models.sft import encode_prompt
+from pivot_hpc.rl.rewards import verifiable_reward
+
+
+@dataclass(slots=True)
+class Evaluation:
+    version: int
+    accuracy: float
+    mean_verifiable: float
+    problems: int
+    seconds: float
+
+
+def validation_problems(cfg, train: list[Problem]) -> list[Problem]:
+    """The validation set: the configured file, or synthetic problems unseen in training."""
+    n = cfg.loop.eval_problems
+    data = cfg.rl.data
+    if data.validation is None or n == 0:
+        return []
+    if data.validation != "synthetic":
+        from pivot_hpc.data.loaders import load_problems
+
+        return load_problems(data.validation)[0][:n]
+    from pivot_hpc.data.arithmetic import problems
+
+    seen = {p.prompt for p in train}
+    fresh = problems(4 * n + 64, seed=data.synthetic_seed + 7919, max_digits=cfg.models.max_digits)
+    return [p for p in fresh if p.prompt not in seen][:n]
+
+
+class Evaluator:
+    def __init__(self, cfg, gps, policy_dir, tok, problems: list[Problem]) -> None:
+        from pivot_hpc.engines.hf_engine import HFEngine
+        from pivot_hpc.models.zoo import load_model
+
+        self.cfg = cfg
+        self.gps = gps
+        self.tok = tok
+        self.problems = problems
+        self.prompts = [encode_prompt(tok, p.prompt) for p in problems]
+        model, _ = load_model(policy_dir)
+        self.engine = HFEngine(
+            model,
+            kv_capacity_tokens=cfg.rollout.kv_capacity_tokens,
+            max_batch=cfg.engines.rollout.max_batch,
+            eos_token_id=tok.eos_token_id,
+            num_threads=1,
+        )
+        self.sampling = SamplingParams(
+            temperature=0.0,
+            max_tokens=cfg.rl.max_response_tokens,
+            stop_token_ids=(tok.eos_token_id,),
+        )
+        self.history: list[Evaluation] = []
+
+    def due(self, version: int) -> bool:
+        every = self.cfg.loop.eval_every_steps
+        return bool(self.problems) and every > 0 and version % every == 0
+
+    def run(self) -> Evaluation:
+        from pivot_hpc.engines.hf_engine import generate_all
+        from pivot_hpc.gps import Parallelism
+
+        t0 = time.perf_counter()
+        tensors, version = self.gps.read("policy", [0], Parallelism(tp=1, pp=1, dp=1), device="cpu")
+        self.engine.load_weights({k: torch.as_tensor(v) for k, v in tensors.items()}, version)
+        results = generate_all(self.engine, self.prompts, self.sampling)
+        rc = self.cfg.rl.reward
+        rewards = [
+            verifiable_reward(
+                self.tok.decode([t for t in r.token_ids if t != self.tok.eos_token_id]),
+                p.answer,
+                rc,
+            )
+            for r, p in zip(results, self.problems, strict=True)
+        ]
+        n = max(len(rewards), 1)
+        ev = Evaluation(
+            version=version,
+            accuracy=sum(v == rc.correct_score for v in rewards) / n,
+            mean_verifiable=sum(rewards) / n,
+            problems=len(rewards),
+            seconds=time.perf_counter() - t0,
+        )
+        self.history.append(ev)
+        return ev
