@@ -84,7 +84,8 @@ def _launch(args: argparse.Namespace) -> dict:
     cmd += [sys.executable, "-m", "pivot_hpc.bench.gps_bench", "--worker"]
     cmd += ["--mib", str(args.mib), "--repeat", str(args.repeat)]
     cmd += ["--no-nixl"] * args.no_nixl + ["--profile-links"] * args.profile_links
-    env = dict(os.environ, OMPI_MCA_osc="^ucx")
+    env = dict(os.environ)
+    env.setdefault("OMPI_MCA_osc", "^ucx")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
     if p.returncode != 0 or not lines:
