@@ -11,6 +11,12 @@ PY=${PYTHON:-python3}
 if ! command -v mpirun >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
 fi
+# The shell scripts under slurm/ are linted with shellcheck. (tests/slurm installs and starts its
+# own local Slurm cluster with slurm/local_cluster.sh: nothing to start here.)
+if ! command -v shellcheck >/dev/null 2>&1; then
+  apt-get install -y -qq shellcheck >/dev/null 2>&1 ||
+    { apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null; }
+fi
 
 # torch first, pinned: on CPU machines 2.13.0 is the local CPU build; anything else
 # would pull a multi-GB CUDA build (PLATFORM.md).
@@ -27,6 +33,7 @@ fi
 
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
+shellcheck slurm/*.sh slurm/*.sbatch
 
 # Compile the scheduler's numba loops once, outside any test timeout.
 "$PY" -c 'import pivot_hpc.bench.planner_bench as b, argparse; b.run(argparse.Namespace(gpus=16, snapshots=1, repeat=1, seed=0, strategy="pivot", json=True))' >/dev/null

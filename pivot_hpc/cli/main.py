@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("pivot_hpc.cli.run", "the main job: RL post-training in one MPI world"),
     "simulate": ("pivot_hpc.cli.simulate", "run a deployment on a simulated cluster"),
     "report": ("pivot_hpc.cli.report", "summarise a run directory's telemetry"),
+    "submit": ("pivot_hpc.cli.submit", "submit the main job to Slurm (submitit; requeues itself)"),
 }
 
 

@@ -43,6 +43,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validated before any MPI work
     run_dir = Path(args.run_dir)
     if args.in_world or in_mpi_world():
+        if cfg.checkpoint.on_signal:  # as early as possible: a signal during start-up
+            from pivot_hpc.runtime import stop  # still checkpoints (once the world is up)
+
+            stop.install()
+        if cfg.cluster.nodes > 1:
+            # pivot_hpc calls MPI from one thread per rank; across nodes without RDMA,
+            # OpenMPI 4's fallback one-sided component refuses MPI_THREAD_MULTIPLE windows
+            os.environ.setdefault("MPI4PY_RC_THREAD_LEVEL", "serialized")
         from pivot_hpc.runtime.main import run_in_world
 
         run_dir.mkdir(parents=True, exist_ok=True)
