@@ -173,6 +173,7 @@ class Config:
                 )
             if rc.gpus is not None:
                 _check_gpu_ids(f"{role}.gpus", rc.gpus, n)
+
         tr = self.training
         if tr.gpus is not None:
             _check_gpu_ids("training.gpus", tr.gpus, n)

@@ -204,7 +204,9 @@ class Coordinator:
                 sched.submit(SeqState(s.sample_id, s.prompt_len, s))
         self.dispatch("rollout")
 
-    def restore(self, batches: dict[int, list[Sample]], generated: dict[tuple[str, int], int]):
+    def restore(
+        self, batches: dict[int, list[Sample]], generated: dict[tuple[str, int], int]
+    ) -> None:
         """Re-queue a checkpoint's unfinished samples (RLState already restored): rollouts
         and reward sequences continue from `generated[(role, sample_id)]` tokens (their
         tokens are with the cluster); rewarded samples wait for training."""

@@ -153,12 +153,46 @@ class LiveCheckpointer:
 
 
 def load_rl_state(path: Path) -> dict[str, Any]:
+    """The RL state a checkpoint holds (rl_state.pkl)."""
     with open(path / "rl_state.pkl", "rb") as f:
         return pickle.load(f)
 
 
-def load_coordinator_rng(path: Path) -> None:
+def restore(path: Path, step: int, cluster, rl, samples) -> tuple[dict[str, Any], dict]:
+    """Resume from checkpoint `path` (of policy version `step`; GPS already holds it):
+    the workers' RNG and training state, the coordinator's RNG, the RL state. Returns the
+    saved state and the telemetry metadata of the resume."""
+    t0 = time.monotonic()
+    manifest = store.verify(path)
+    workers_s = cluster.restore_ranks(str(path))  # RNG; training ranks: model + optimizer
     with open(path / "ranks.pkl", "rb") as f:
-        state = pickle.load(f).get(0)
-    if state is not None:
-        restore_coordinator_rng(state)
+        coordinator = pickle.load(f).get(0)
+    if coordinator is not None:
+        restore_coordinator_rng(coordinator)
+    state = load_rl_state(path)
+    rl.restore(state["rl"])
+    samples.genrm_stats = state["genrm_stats"]
+    meta = {
+        "resumed_from": path.name,
+        "resume_step": step,
+        "restore_s": workers_s,  # the slowest worker's own restore
+        "resume_wait_s": time.monotonic() - t0,  # incl. waiting for workers to start
+        "resume_gap_s": time.time() - manifest["created_unix"],  # since the save
+    }
+    partials = state["partials"]
+    print(
+        f"pivot-hpc: resuming from {path} at step {step}: {len(partials)} partial sequences "
+        f"({sum(len(r.token_ids) for r in partials.values())} tokens), "
+        f"{len(rl.replay_buffer())} rewarded samples waiting; restored in {workers_s:.2f}s",
+        flush=True,
+    )
+    return state, meta
+
+
+def requeue_restored(coord, cluster, state: dict[str, Any]) -> None:
+    """Hand a restored checkpoint's unfinished work to the coordinator and the cluster:
+    partial sequences continue from their saved tokens when next dispatched."""
+    partials = state["partials"]
+    cluster.set_partials(partials)
+    coord.restore(coord.rl.batches, {k: len(r.token_ids) for k, r in partials.items()})
+    coord.stats.rewards = list(state["rewards"])

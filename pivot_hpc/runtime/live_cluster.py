@@ -1,8 +1,9 @@
 """The real `Cluster`: coordinator actions become MPI messages to worker ranks, and worker
 messages become the coordinator's events (the same events the simulator produces).
 
-Replica "<role>:<slot>" with tp GPUs maps to the worker ranks of those GPUs; the `hf`
-engine serves a replica on one rank (tp = 1). "training" is the fixed training set.
+Replica "<role>:<slot>" with tp GPUs maps to the worker ranks of those GPUs; its first
+rank (the leader) runs the replica's engine and gets its sequences (the `hf` engine has
+tp = 1; an `sglang` engine spans the replica's GPUs). "training" is the fixed training set.
 """
 
 from __future__ import annotations
@@ -68,19 +69,22 @@ class LiveCluster:
     def shift_up(self, rid: str, version: int) -> None:
         ranks = self._ranks(rid)
         role = role_of(rid)
-        if role != TRAINING and len(ranks) != 1:
-            raise PivotError(f"{rid}: the hf engine serves one rank per replica (tp=1)")
         self.rank_of[rid] = ranks
-        for r in ranks:
+        for i, r in enumerate(ranks):
             self.role_of_rank[r] = rid
-            self._send(r, ("up", role, version))
+            # a tp > 1 replica (sglang): its first rank leads the one engine over all its
+            # GPUs; the others lend their GPUs and hold no engine (training: all train)
+            self._send(r, ("up", role, version, i == 0 or role == TRAINING))
+
+    def _leader(self, rid: str) -> int:
+        return self.rank_of[rid][0]
 
     def shift_down(self, rid: str) -> None:
         for r in self.rank_of[rid]:
             self._send(r, ("down",))
 
     def start(self, rid: str, sample: Sample, role: str) -> None:
-        (rank,) = self.rank_of[rid]
+        rank = self._leader(rid)
         pl = sample.payload
         partial = self._partial.pop((role, sample.sample_id), None)
         gen = list(partial.token_ids) if partial is not None else []
@@ -93,7 +97,7 @@ class LiveCluster:
         self._send(rank, ("start", sample.sample_id, prompt, gen, lps, sampling))
 
     def abort(self, rid: str, seq_id: int) -> int | None:
-        (rank,) = self.rank_of[rid]
+        rank = self._leader(rid)
         role = role_of(rid)
         self._send(rank, ("abort", seq_id))
         while True:  # the worker replies in order: buffer what it sent before the reply
@@ -114,8 +118,7 @@ class LiveCluster:
         return ev
 
     def update_weights(self, rid: str, version: int) -> None:
-        for r in self.rank_of[rid]:
-            self._send(r, ("update", version))
+        self._send(self._leader(rid), ("update", version))
 
     def train(self, step: int, samples: Sequence[Sample]) -> None:
         batch = self.samples.batch(list(samples))

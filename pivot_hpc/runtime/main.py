@@ -216,34 +216,11 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         staleness=cfg.deployment.effective_staleness(),
         source=samples,
     )
-    restored = None
+    restored, resume_meta = None, {}
     if resume is not None:  # before the writer: its meta records the resume
-        from pivot_hpc.checkpoint.store import verify
-        from pivot_hpc.runtime.checkpointing import load_coordinator_rng, load_rl_state
+        from pivot_hpc.runtime.checkpointing import restore
 
-        t0 = time.monotonic()
-        path = Path(resume[0])
-        manifest = verify(path)
-        workers_s = cluster.restore_ranks(str(path))  # RNG; training: model + optimizer
-        load_coordinator_rng(path)
-        restored = load_rl_state(path)
-        rl.restore(restored["rl"])
-        samples.genrm_stats = restored["genrm_stats"]
-        resume_meta = {
-            "resumed_from": path.name,
-            "resume_step": resume[1],
-            "restore_s": workers_s,  # the slowest worker's own restore
-            "resume_wait_s": time.monotonic() - t0,  # incl. waiting for workers to start
-            "resume_gap_s": time.time() - manifest["created_unix"],
-        }
-        print(
-            f"pivot-hpc: resuming from {path} at step {resume[1]}: "
-            f"{len(restored['partials'])} partial sequences "
-            f"({sum(len(r.token_ids) for r in restored['partials'].values())} tokens), "
-            f"{len(rl.replay_buffer())} rewarded samples waiting; "
-            f"restored in {resume_meta['restore_s']:.2f}s",
-            flush=True,
-        )
+        restored, resume_meta = restore(Path(resume[0]), resume[1], cluster, rl, samples)
     meta = {
         "mode": cfg.deployment.mode,
         "strategy": cfg.planner.strategy if cfg.deployment.mode == "pivot" else "",
@@ -251,7 +228,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         "simulated": False,
         "horizon_s": cfg.planner.horizon_s,
         "config": to_dict(cfg),
-        **(resume_meta if resume is not None else {}),
+        **resume_meta,
     }
     from pivot_hpc.telemetry import last_time
 
@@ -281,10 +258,9 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         policy_dir=dirs[0],
     )
     if restored is not None:
-        cluster.set_partials(restored["partials"])
-        generated = {k: len(r.token_ids) for k, r in restored["partials"].items()}
-        coord.restore(rl.batches, generated)
-        coord.stats.rewards = list(restored["rewards"])
+        from pivot_hpc.runtime.checkpointing import requeue_restored
+
+        requeue_restored(coord, cluster, restored)
         ckpt.last_step = rl.version
     coord.stop_requested = lambda: stop.requested() is not None
     evaluator = None

@@ -37,6 +37,7 @@ class Worker:
         self.trainer = None
         self.reference = None
         self.role: str | None = None
+        self.leader = True  # False: a non-leading rank of a tp > 1 inference replica
         self._last_lengths = 0.0
         self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
         # tests: seconds added to every decode step, so that sequences are still running
@@ -47,12 +48,13 @@ class Worker:
         """Build the preserved context once: both engines (weights released until a shift
         up reads them from GPS) and, on training ranks, the trainer and its process group.
 
-        Exception: SGLang keeps its configuration process-wide, so when both roles use
-        sglang a worker holds one SGLang engine at a time — built at the first shift up to
-        its role, shut down when the worker shifts up to the other role (a cold start,
-        reported in the shift's reload phase)."""
-        both_sglang = all(getattr(self.cfg.engines, r).engine == "sglang" for r in ROLES)
-        self.lazy_roles = set(ROLES) if both_sglang else set()
+        Exception: an `sglang` engine is built by a replica's leader at its first shift up
+        to the role (the other ranks of a tp > 1 replica lend it their GPUs), and SGLang
+        keeps its configuration process-wide, so a worker holds one SGLang engine at a
+        time: shifting up to the other sglang role closes it (a cold start, reported in
+        the shift's reload phase)."""
+        # GPU engines are built by replica leaders only, at their first shift up
+        self.lazy_roles = {r for r in ROLES if getattr(self.cfg.engines, r).engine != "hf"}
         for role in ROLES:
             if role in self.lazy_roles:
                 continue
@@ -78,7 +80,7 @@ class Worker:
                     return msg[1]
                 self.handle(msg)
                 busy = True
-            engine = self.engines.get(self.role) if self.role in ("rollout", "reward") else None
+            engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
             if engine is not None and engine.has_unfinished():
                 done = engine.step()
                 if self.decode_delay_s:
@@ -107,7 +109,7 @@ class Worker:
             if not target or int(target) == self.comm.Get_rank():
                 raise RuntimeError(f"injected fault on {kind!r} (PIVOT_HPC_FAULT)")
         if kind == "up":
-            self.shift_up(msg[1], msg[2])
+            self.shift_up(msg[1], msg[2], msg[3])
         elif kind == "down":
             self.shift_down()
         elif kind == "start":
@@ -128,7 +130,7 @@ class Worker:
         elif kind == "train":
             self.train(msg[1], msg[2])
         elif kind == "peek":  # checkpoint: tokens of the running sequences, undisturbed
-            engine = self.engines.get(self.role) if self.role in ("rollout", "reward") else None
+            engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
             snap = getattr(engine, "snapshot", None)
             self.send(("peeked", self.role, snap() if snap is not None else []))
         elif kind == "save":
@@ -138,10 +140,13 @@ class Worker:
         else:
             raise ValueError(f"worker: unknown command {kind!r}")
 
-    def shift_up(self, role: str, version: int) -> None:
+    def shift_up(self, role: str, version: int, leader: bool = True) -> None:
         phases: dict[str, float] = {}
         t0 = time.perf_counter()
-        if role == "training":
+        self.leader = leader
+        if not leader:  # its GPU serves the replica leader's engine
+            pass
+        elif role == "training":
             self.trainer.reload_optimizer()
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -152,7 +157,7 @@ class Worker:
             phases["read_s"] = time.perf_counter() - t1
         else:
             if role in self.lazy_roles and role not in self.engines:
-                for other in [r for r in self.engines if r != role]:
+                for other in [r for r in self.engines if r != role and r in self.lazy_roles]:
                     self.engines.pop(other).close()  # one SGLang engine per process
                 self.engines[role] = self._make_engine(role)
                 self.engines[role].release_memory(weights=True)
@@ -175,7 +180,7 @@ class Worker:
         if self.role == "training":
             self.trainer.offload_optimizer()
             phases["offload_s"] = time.perf_counter() - t0
-        elif self.role is not None:
+        elif self.role is not None and self.leader:
             self.engines[self.role].release_memory(weights=True)
             phases["discard_s"] = time.perf_counter() - t0
         self.role = None

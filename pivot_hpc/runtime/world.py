@@ -58,6 +58,14 @@ def check_launch(cfg: Config, size: int) -> None:
             "+ 1 host rank); launch with that many tasks (sbatch --ntasks-per-node="
             f"{cfg.cluster.gpus_per_node + 1}) or change cluster.*"
         )
+    for role in ("rollout", "reward"):  # (the simulator runs any tp with any engine)
+        tp = getattr(cfg, role).tp
+        if tp > 1 and getattr(cfg.engines, role).engine == "hf":
+            raise LayoutError(
+                f"{role}.tp={tp} with engines.{role}.engine=hf: the hf engine serves a "
+                f"replica on one device; use {role}.tp=1, or engines.{role}.engine=sglang "
+                "for tensor-parallel replicas"
+            )
     n_train = len(cfg.training_gpus())
     if n_train % cfg.rl.trainer.tp:
         raise LayoutError(
