@@ -235,6 +235,7 @@ def test_sbatch_signal_checkpoints_requeues_and_resumes(
     r = open_run(tmp_path / "run")
     assert [int(s) for s in r["steps"]["step"]] == [0, 1, 2, 3]  # same final step count
     assert len(r.files) == 2  # one telemetry file per allocation
+    assert_each_sample_trained_once(r)
 
 
 @pytest.mark.timeout(720)
@@ -272,6 +273,13 @@ def test_submit_signal_checkpoints_requeues_and_resumes(
     r = open_run(run_dir)
     assert [int(s) for s in r["steps"]["step"]] == [0, 1, 2, 3]
     assert len(r.files) == 2
+    assert_each_sample_trained_once(r)
+
+
+def assert_each_sample_trained_once(r) -> None:
+    """4 steps × 4 prompts × 4 samples across both allocations: none missing or repeated."""
+    ids = [int(i) for i in r["trained"]["sample_id"]]
+    assert sorted(ids) == list(range(64)), ids
 
 
 def _read(path: Path) -> str:
