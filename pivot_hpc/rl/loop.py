@@ -29,6 +29,7 @@ from pivot_hpc.rl.rewards import (
     combine,
     genrm_prompt,
     genrm_rewards,
+    score_answers,
     verifiable_reward,
 )
 
@@ -151,12 +152,10 @@ class LocalGRPO:
             _, res = self.generate(batch, sp)
         finally:
             self.rollout.gen = saved
-        rv = [
-            verifiable_reward(self._text(r.token_ids), p.answer, self.cfg.reward)
-            for r, p in zip(res, batch, strict=True)
-        ]
-        acc = sum(v == self.cfg.reward.correct_score for v in rv) / max(len(rv), 1)
-        return EvalResult(sum(rv) / max(len(rv), 1), acc, len(rv))
+        mean, acc = score_answers(
+            [self._text(r.token_ids) for r in res], [p.answer for p in batch], self.cfg.reward
+        )
+        return EvalResult(mean, acc, len(res))
 
     def step(self, problems: Sequence[Problem], samples_per_prompt: int = 8) -> StepRecord:
         """One GRPO step on `problems`, `samples_per_prompt` responses each (one group)."""

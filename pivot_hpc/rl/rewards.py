@@ -64,6 +64,16 @@ def verifiable_reward(response: str, gold: str, cfg: RewardConfig | None = None)
     return cfg.correct_score if is_correct(pred, gold) else cfg.wrong_score
 
 
+def score_answers(
+    responses: list[str], golds: list[str], cfg: RewardConfig | None = None
+) -> tuple[float, float]:
+    """(mean verifiable reward, accuracy) of `responses` against their reference answers."""
+    cfg = cfg or RewardConfig()
+    rv = [verifiable_reward(r, g, cfg) for r, g in zip(responses, golds, strict=True)]
+    n = max(len(rv), 1)
+    return sum(rv) / n, sum(v == cfg.correct_score for v in rv) / n
+
+
 def genrm_prompt(question: str, response: str, reference: str | None = None) -> str:
     """The GenRM's prompt; with `reference` (the dataset's ground truth) it is a
     reference-guided judge, which a tiny model learns reliably (see arithmetic.judgement)."""

@@ -25,12 +25,6 @@ import torch
 from pivot_hpc.checkpoint import store
 
 
-def _tp1():
-    from pivot_hpc.gps import Parallelism
-
-    return Parallelism(tp=1, pp=1, dp=1)
-
-
 def coordinator_rng() -> dict[str, Any]:
     return {
         "python": random.getstate(),
@@ -78,7 +72,10 @@ class LiveCheckpointer:
         # 1. policy weights (GPS holds version rl.version: training wrote it before reporting)
         from safetensors.torch import save_file
 
-        tensors, version = self.gps.read("policy", [0], _tp1(), device="cpu")
+        from pivot_hpc.gps import Parallelism
+
+        # the whole policy (tp = pp = dp = 1) onto the coordinator
+        tensors, version = self.gps.read("policy", [0], Parallelism(), device="cpu")
         if version != rl.version:
             raise RuntimeError(f"checkpoint: GPS holds policy v{version}, RL state v{rl.version}")
         (tmp / "policy").mkdir()

@@ -17,7 +17,7 @@ import torch
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams
 from pivot_hpc.models.sft import encode_prompt
-from pivot_hpc.rl.rewards import verifiable_reward
+from pivot_hpc.rl.rewards import score_answers
 
 
 @dataclass(slots=True)
@@ -80,24 +80,20 @@ class Evaluator:
         from pivot_hpc.gps import Parallelism
 
         t0 = time.perf_counter()
-        tensors, version = self.gps.read("policy", [0], Parallelism(tp=1, pp=1, dp=1), device="cpu")
+        tensors, version = self.gps.read("policy", [0], Parallelism(), device="cpu")
         self.engine.load_weights({k: torch.as_tensor(v) for k, v in tensors.items()}, version)
         results = generate_all(self.engine, self.prompts, self.sampling)
-        rc = self.cfg.rl.reward
-        rewards = [
-            verifiable_reward(
-                self.tok.decode([t for t in r.token_ids if t != self.tok.eos_token_id]),
-                p.answer,
-                rc,
-            )
-            for r, p in zip(results, self.problems, strict=True)
-        ]
-        n = max(len(rewards), 1)
+        eos = self.tok.eos_token_id
+        mean, accuracy = score_answers(
+            [self.tok.decode([t for t in r.token_ids if t != eos]) for r in results],
+            [p.answer for p in self.problems],
+            self.cfg.rl.reward,
+        )
         ev = Evaluation(
             version=version,
-            accuracy=sum(v == rc.correct_score for v in rewards) / n,
-            mean_verifiable=sum(rewards) / n,
-            problems=len(rewards),
+            accuracy=accuracy,
+            mean_verifiable=mean,
+            problems=len(results),
             seconds=time.perf_counter() - t0,
         )
         self.history.append(ev)

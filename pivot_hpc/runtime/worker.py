@@ -13,6 +13,7 @@ receive, which OpenMPI implements by spinning a core.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -221,16 +222,23 @@ class Worker:
             "engines": {r: e.gen.get_state() for r, e in self.engines.items() if hasattr(e, "gen")},
         }
 
+    @contextlib.contextmanager
+    def _optimizer_loaded(self):
+        """The optimizer state in the optimizer (where save/load find it), offloaded again
+        afterwards if it was (a shifted-down trainer keeps it in host memory)."""
+        offloaded = self.trainer.optimizer_offloaded
+        self.trainer.reload_optimizer()
+        yield
+        if offloaded:
+            self.trainer.offload_optimizer()
+
     def save(self, path: str | None) -> None:
         """Checkpoint this rank's part: RNG states; training ranks also write the megatron
         distributed checkpoint (model + optimizer) under `path`/train (collectively)."""
         t0 = time.perf_counter()
         if self.trainer is not None and path is not None:
-            offloaded = self.trainer.optimizer_offloaded
-            self.trainer.reload_optimizer()  # the state to save lives in the optimizer
-            self.trainer.save(os.path.join(path, "train"))
-            if offloaded:
-                self.trainer.offload_optimizer()
+            with self._optimizer_loaded():
+                self.trainer.save(os.path.join(path, "train"))
         self.send(("saved", self._rng_state(), time.perf_counter() - t0))
 
     def restore(self, path: str) -> None:
@@ -246,11 +254,8 @@ class Worker:
                 if role in self.engines and hasattr(self.engines[role], "gen"):
                     self.engines[role].gen.set_state(gen_state)
         if self.trainer is not None:
-            offloaded = self.trainer.optimizer_offloaded
-            self.trainer.reload_optimizer()
-            self.trainer.load(os.path.join(path, "train"))
-            if offloaded:
-                self.trainer.offload_optimizer()
+            with self._optimizer_loaded():
+                self.trainer.load(os.path.join(path, "train"))
         self.send(("restored", time.perf_counter() - t0))
 
     # ------------------------------------------------------------- builders

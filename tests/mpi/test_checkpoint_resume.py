@@ -13,46 +13,32 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from live import ROOT, run_command
 
 from pivot_hpc.checkpoint import store
 from pivot_hpc.runtime.checkpointing import load_rl_state
 from pivot_hpc.telemetry import open_run
 
-ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI (mpirun)")
 
 BASE = ["loop.steps=4", "loop.batch_prompts=4", "checkpoint.interval_steps=0"]
 
 
-def command(run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pivot_hpc",
-        "run",
-        "configs/tiny.yaml",
-        "--run-dir",
-        str(run_dir),
-        *overrides,
-    ]
-
-
 def run(run_dir: Path, *overrides: str, timeout: int = 420) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        run_command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
 
 
 def start(run_dir: Path, log: Path, *overrides: str, delay_s: float) -> subprocess.Popen:
     env = {**os.environ, "PIVOT_HPC_DECODE_DELAY_S": str(delay_s)}
     return subprocess.Popen(
-        command(run_dir, *overrides),
+        run_command(run_dir, *overrides),
         cwd=ROOT,
         stdout=open(log, "w"),  # the child keeps it; closed when it exits
         stderr=subprocess.STDOUT,

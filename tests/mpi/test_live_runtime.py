@@ -19,27 +19,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from live import ROOT, run_command
 
 from pivot_hpc.telemetry import open_run
 
-ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI (mpirun)")
 
 
 def run(run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 420):
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pivot_hpc",
-            "run",
-            "configs/tiny.yaml",
-            "--run-dir",
-            str(run_dir),
-            "loop.steps=3",
-            "loop.batch_prompts=4",
-            *overrides,
-        ],
+        run_command(run_dir, "loop.steps=3", "loop.batch_prompts=4", *overrides),
         cwd=ROOT,
         capture_output=True,
         text=True,
