@@ -59,10 +59,17 @@ def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> No
 
 
 def kill_session(proc: subprocess.Popen) -> None:
-    subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
-    proc.wait(timeout=30)
+    """kill -9 every process of the job's session. Repeated until none is left: a rank
+    that mpirun was forking at the moment of the first kill appears only after it."""
     end = time.monotonic() + 30
-    while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout:
+    while True:
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+        if proc.poll() is None:
+            proc.wait(timeout=30)
+        ps = subprocess.run(["ps", "-o", "stat=", "-s", str(proc.pid)], capture_output=True)
+        alive = [st for st in ps.stdout.decode().split() if not st.startswith("Z")]
+        if not alive:
+            return
         assert time.monotonic() < end, "job processes survived kill -9"
         time.sleep(0.2)
 
