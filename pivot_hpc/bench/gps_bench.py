@@ -7,8 +7,11 @@ least `--mib` MiB, best of `--repeat`:
   destination buffer (the baseline, same run, same process);
 - local: Read(M, [1], TP=1) served by its own node (copy out of the shared window);
 - remote: the same Read with the planner's node 0 -> node 0 link made slow, so every
-  slice comes from node 1: MPI RMA, and NIXL when installed.
-Ratios are Read throughput / memcpy throughput. Planning time is measured in the launching
+  slice comes from node 1: MPI RMA, and NIXL when installed, each with the default
+  gps.remote_lanes (two threads, each reading through a different rank of node 1) and
+  with one lane.
+Ratios are Read throughput / memcpy throughput (one thread). `remote_ratio` is the
+default remote transport on this machine (gps.transport=auto: rma without a GPU). Planning time is measured in the launching
 process (no MPI): the Read plan of a 72B model on 128 GPUs (16 nodes x 8 GPUs, TP=8,
 DP=16), first build and cached lookup. `--profile-links` measures the bandwidth and
 per-transfer overhead the planner's cost model uses and prints them as a `gps:` YAML
@@ -147,10 +150,15 @@ def _print(out: dict) -> None:
     rows = [["case", "GB/s", "ratio to memcpy"]]
     rows.append(["memcpy", f"{out['memcpy_gbps']:.2f}", "1.00"])
     rows.append(["local read", f"{out['local_gbps']:.2f}", f"{out['local_ratio']:.2f}"])
-    for t in ("rma", "nixl"):
+    for t, label in (
+        ("rma", f"remote rma ({out['remote_lanes']} lanes)"),
+        ("rma_1lane", "remote rma (1 lane)"),
+        ("nixl", f"remote nixl ({out['remote_lanes']} lanes)"),
+        ("nixl_1lane", "remote nixl (1 lane)"),
+    ):
         if f"remote_{t}_gbps" in out:
             rows.append(
-                [f"remote {t}", f"{out[f'remote_{t}_gbps']:.2f}", f"{out[f'remote_ratio_{t}']:.2f}"]
+                [label, f"{out[f'remote_{t}_gbps']:.2f}", f"{out[f'remote_ratio_{t}']:.2f}"]
             )
     print(f"GPS Read of {gb:.3f} GB ({out['tensors']} tensors), best of {out['repeat']}")
     print(table(rows))
@@ -199,12 +207,14 @@ def _measure(args: argparse.Namespace, world) -> dict:
         t = spec.tensors[spec.index[name]]
         return np.full(t.shape, spec.index[name], dtype=np.uint16)
 
-    def session(transport: str, remote: bool) -> dict:
+    def session(transport: str, remote: bool, lanes: int = GPSConfig.remote_lanes) -> dict:
         # pin the planner: the local case reads only node 0, the remote one only node 1
         nodes = world.size // 2
         keep = 1 if remote else 0
         links = {f"{n}->0": 1e-9 for n in range(nodes) if n != keep}
-        cfg = GPSConfig(transport=transport, pseudo_node_size=2, link_bandwidth_gbps=links)
+        cfg = GPSConfig(
+            transport=transport, pseudo_node_size=2, link_bandwidth_gbps=links, remote_lanes=lanes
+        )
         gps = GlobalParameterStorage(world, cfg, models={"m": spec}, read_only=["m"])
         gps.load("m", fill)
         res: dict = {}
@@ -219,6 +229,7 @@ def _measure(args: argparse.Namespace, world) -> dict:
             plan = gps.plans.get(("read", "m", (reader,), par), lambda: None)
             res["read_s"] = min(times)
             res["from_nodes"] = sorted({int(n) for n in plan.op_node})
+            res["lanes"] = gps.remote.lanes.count
             if not remote:  # memcpy baseline: the same bytes, same source, same destination
                 lay = gps.layout
                 start = int(lay.offsets["m"][0, 0, 0])
@@ -238,18 +249,26 @@ def _measure(args: argparse.Namespace, world) -> dict:
 
     local = session("rma", remote=False)
     rma = session("rma", remote=True)
-    nixl = session("nixl", remote=True) if nixl_available() and not args.no_nixl else None
+    rma1 = session("rma", remote=True, lanes=1)
+    nixl = nixl1 = None
+    if nixl_available() and not args.no_nixl:
+        nixl = session("nixl", remote=True)
+        nixl1 = session("nixl", remote=True, lanes=1)
     if world.rank == reader:
         b = spec.nbytes
-        gbps = {k: b / v / 1e9 for k, v in (("memcpy", local["memcpy_s"]), ("local", local["read_s"]), ("remote_rma", rma["read_s"]))}  # fmt: skip
-        if nixl:
+        gbps = {k: b / v / 1e9 for k, v in (("memcpy", local["memcpy_s"]), ("local", local["read_s"]), ("remote_rma", rma["read_s"]), ("remote_rma_1lane", rma1["read_s"]))}  # fmt: skip
+        if nixl and nixl1:
             gbps["remote_nixl"] = b / nixl["read_s"] / 1e9
+            gbps["remote_nixl_1lane"] = b / nixl1["read_s"] / 1e9
         assert local["from_nodes"] == [0] and rma["from_nodes"] == [1], (local, rma)
         out.update({f"{k}_gbps": round(v, 3) for k, v in gbps.items()})
         out["local_ratio"] = round(gbps["local"] / gbps["memcpy"], 3)
         out["remote_ratio_rma"] = round(gbps["remote_rma"] / gbps["memcpy"], 3)
+        out["remote_ratio_rma_1lane"] = round(gbps["remote_rma_1lane"] / gbps["memcpy"], 3)
+        out["remote_lanes"] = rma["lanes"]
         if nixl:
             out["remote_ratio_nixl"] = round(gbps["remote_nixl"] / gbps["memcpy"], 3)
+            out["remote_ratio_nixl_1lane"] = round(gbps["remote_nixl_1lane"] / gbps["memcpy"], 3)
         # the default transport on this machine (gps.transport=auto: rma without a GPU)
         out["remote_ratio"] = out["remote_ratio_rma"]
         out["remote_transport"] = "rma"

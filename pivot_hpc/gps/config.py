@@ -50,6 +50,15 @@ class GPSConfig:
     cost_model: Literal["endpoints", "sender"] = "endpoints"
     read_retries: int = 16  # attempts when a Write recycles the slot a Read is copying
     max_transfer_mib: int = 512  # one MPI RMA call moves at most this much (int32 counts)
+    # Concurrent lanes of one remote RMA transfer, each a thread through a different rank
+    # of the holder node (transport_rma.py: shared-memory CMA copies from one process are
+    # serialised by the kernel). 1 = one thread; more need MPI_THREAD_MULTIPLE.
+    remote_lanes: int = 2
+    # NIXL agents run passive (no progress thread, UCX error handling "none"): a READ or
+    # WRITE needs one-sided RDMA or CMA. true: NIXL's progress thread on every rank (spins
+    # one core each), for fabrics where the target must take part (TCP only).
+    nixl_progress_thread: bool = False
+    transfer_timeout_s: float = 300.0  # a NIXL transfer still running after this fails
 
     def validate(self, path: str) -> None:
         if not math.isfinite(self.host_budget_gib) or self.host_budget_gib < 0:
@@ -74,3 +83,7 @@ class GPSConfig:
             fail(f"{path}.read_retries", self.read_retries, "need at least 1 attempt")
         if not 1 <= self.max_transfer_mib <= 1024:
             fail(f"{path}.max_transfer_mib", self.max_transfer_mib, "must be in 1..1024")
+        if not math.isfinite(self.transfer_timeout_s) or self.transfer_timeout_s <= 0:
+            fail(f"{path}.transfer_timeout_s", self.transfer_timeout_s, "must be > 0 seconds")
+        if not 1 <= self.remote_lanes <= 64:
+            fail(f"{path}.remote_lanes", self.remote_lanes, "must be in 1..64 (1 = no threads)")

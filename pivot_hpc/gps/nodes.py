@@ -29,6 +29,10 @@ class Nodes:
     def is_host(self) -> bool:
         return self.local.rank == 0
 
+    def ranks_of(self) -> list[list[int]]:
+        """World ranks of each node, host rank first (local rank 0 has the lowest rank)."""
+        return [np.flatnonzero(self.node_of == n).tolist() for n in range(self.num_nodes)]
+
 
 def split_nodes(world: MPI.Comm, pseudo_node_size: int = 0) -> Nodes:
     """Collective over `world`."""

@@ -83,7 +83,9 @@ class GlobalParameterStorage:
             for name in models:
                 self._header(name)[:] = -1  # nothing published, both slots empty
         nodes.local.Barrier()
-        self._win = MPI.Win.Create(self.buf if nodes.is_host else MPI.BOTTOM, 1, comm=comm)
+        # every rank of a node exposes the node's buffer (its own mapping of the same
+        # pages): remote lanes then read one node through several processes (transport_rma)
+        self._win = MPI.Win.Create(self.buf, 1, comm=comm)
         self.links = LinkModel.from_config(cfg, nodes.num_nodes)
         self.plans = PlanCache()
         # node-local copies; Reads into VRAM go straight out of the window, page-locked
@@ -95,9 +97,16 @@ class GlobalParameterStorage:
             choice = "nixl" if _cuda_present() and nixl_available() else "rma"
         self.transport_name = choice
         if choice == "nixl":
-            self.remote: Any = NixlTransport(nodes, self.buf if nodes.is_host else None, max_bytes)
+            self.remote: Any = NixlTransport(
+                nodes,
+                self.buf,
+                max_bytes,
+                lanes=cfg.remote_lanes,
+                progress_thread=cfg.nixl_progress_thread,
+                timeout_s=cfg.transfer_timeout_s,
+            )
         else:
-            self.remote = RmaTransport(self._win, nodes.host_of, max_bytes)
+            self.remote = RmaTransport(self._win, nodes.ranks_of(), max_bytes, cfg.remote_lanes)
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
         self.read_retries = 0  # Reads repeated because a Write recycled their slot
         comm.Barrier()

@@ -16,7 +16,14 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from pivot_hpc.gps import GlobalParameterStorage, GPSConfig, GPSError, ModelSpec, Parallelism
+from pivot_hpc.gps import (
+    GlobalParameterStorage,
+    GPSConfig,
+    GPSError,
+    ModelSpec,
+    Parallelism,
+    transport,
+)
 from pivot_hpc.gps.catalog import NUMPY_DTYPE
 
 MODELS = {
@@ -81,16 +88,22 @@ def combos(world: int):
                     yield Parallelism(tp=tp, pp=pp, dp=dp)
 
 
+CREATED: list[GlobalParameterStorage] = []  # of the running scenario (lane counts)
+
+
 def make_gps(args, models=MODELS, **kw) -> GlobalParameterStorage:
     cfg = GPSConfig(
         transport=args.transport,
         pseudo_node_size=args.pseudo,
         group_size=args.group,
         host_budget_gib=args.budget_gib,
+        remote_lanes=args.lanes,
         **kw,
     )
     ro = [m for m in models if m == "genrm"]
-    return GlobalParameterStorage(MPI.COMM_WORLD, cfg, models=models, read_only=ro)
+    gps = GlobalParameterStorage(MPI.COMM_WORLD, cfg, models=models, read_only=ro)
+    CREATED.append(gps)
+    return gps
 
 
 def load_all(gps, models=MODELS) -> None:
@@ -315,18 +328,24 @@ def main() -> None:
     p.add_argument("--budget-gib", type=float, default=0.0)
     p.add_argument("--transport", default="rma")
     p.add_argument("--versions", type=int, default=6)
+    p.add_argument("--lanes", type=int, default=GPSConfig.remote_lanes)
+    # below this many bytes per lane a transfer keeps one lane; tiny test models need 1
+    p.add_argument("--min-lane-bytes", type=int, default=transport.MIN_LANE_BYTES)
     args = p.parse_args()
+    transport.MIN_LANE_BYTES = args.min_lane_bytes
     world = MPI.COMM_WORLD
     for name in args.scenarios:
+        CREATED.clear()
         try:
             SCENARIOS[name](args, world)
+            splits = world.allreduce(sum(g.remote.lanes.split_runs for g in CREATED))
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
             world.Abort(1)
         world.Barrier()
         if world.rank == 0:
-            print(f"GPS-OK {name}", flush=True)
+            print(f"GPS-OK {name} (remote transfers split over lanes: {splits})", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Each case is one `mpirun` with a hard timeout, so a hang fails instead of blocki
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,24 @@ def test_grouped_sharding_two_nodes_remote_rma():
     assert "layout k=2 nodes=2 via rma" in out
 
 
+def lane_splits(out: str, scenario: str) -> int:
+    m = re.search(rf"GPS-OK {scenario} \(remote transfers split over lanes: (\d+)\)", out)
+    assert m, out[-3000:]
+    return int(m.group(1))
+
+
+def test_remote_transfers_split_over_two_lanes_rma():
+    # each remote Read/Write cut in two, moved by two threads through both ranks of the
+    # holder node (gps.remote_lanes); --min-lane-bytes lets the tiny models use lanes
+    out = run_world(4, "read_matrix", "roundtrip", "concurrent", "recycle", "--pseudo", "2",
+                    "--group", "2", "--lanes", "2", "--min-lane-bytes", "256")  # fmt: skip
+    assert "layout k=2 nodes=2 via rma" in out
+    assert lane_splits(out, "read_matrix") > 0 and lane_splits(out, "roundtrip") > 0
+    # the default threshold keeps the tiny transfers on one lane
+    out = run_world(4, "read_matrix", "--pseudo", "2", "--group", "2")
+    assert lane_splits(out, "read_matrix") == 0
+
+
 def test_budget_forces_two_replication_groups_of_two():
     # 4 pseudo-nodes; a budget below a full copy makes k=2: two groups of two
     out = run_world(8, "read_matrix", "roundtrip", "--pseudo", "2", "--budget-gib", "0.0004")
@@ -77,5 +96,7 @@ def test_real_nodes_comm_type_shared():
 @pytest.mark.skipif(not _nixl_importable(), reason="`import nixl` fails: pip install nixl")
 def test_nixl_remote_reads_and_writes():
     out = run_world(4, "read_matrix", "roundtrip", "recycle", "concurrent",
-                    "--pseudo", "2", "--group", "2", "--transport", "nixl", timeout=180)  # fmt: skip
+                    "--pseudo", "2", "--group", "2", "--transport", "nixl",
+                    "--min-lane-bytes", "256", timeout=180)  # fmt: skip
     assert "layout k=2 nodes=2 via nixl" in out
+    assert lane_splits(out, "read_matrix") > 0 and lane_splits(out, "roundtrip") > 0

@@ -27,6 +27,8 @@ def test_gps_section_loads_with_overrides():
         ('gps.link_bandwidth_gbps={"a-b": 1}', "node pairs like '1->0'"),
         ("gps.host_budget_gib=-1", "must be >= 0"),
         ("gps.cost_model=fastest", "not a valid choice"),
+        ("gps.remote_lanes=0", "gps.remote_lanes.*1..64"),
+        ("gps.transfer_timeout_s=0", "gps.transfer_timeout_s.*> 0 seconds"),
     ],
 )
 def test_bad_gps_values_name_the_key(override, text):
