@@ -87,6 +87,25 @@ class EngineStats:
     preemptions: int = 0  # running sequences pushed back to waiting under KV pressure
 
 
+def check_new_sequence(
+    seq_id: int,
+    prompt_ids: list[int],
+    generated_ids: list[int] | None,
+    generated_logprobs: list[float] | None,
+    known,
+) -> tuple[list[int], list[float]]:
+    """The checks every engine's `add` makes; returns (generated ids, their logprobs)."""
+    if seq_id in known:
+        raise ValueError(f"add: sequence {seq_id} is already in this engine")
+    if not prompt_ids:
+        raise ValueError(f"add: sequence {seq_id} has an empty prompt")
+    gen = list(generated_ids or [])
+    lps = list(generated_logprobs) if generated_logprobs is not None else [0.0] * len(gen)
+    if len(lps) != len(gen):
+        raise ValueError("add: generated_logprobs must match generated_ids in length")
+    return gen, lps
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     def add(

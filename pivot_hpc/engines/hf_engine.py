@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from pivot_hpc.engines.base import EngineStats, SamplingParams, SeqResult, Tensors
+from pivot_hpc.engines.base import (
+    EngineStats,
+    SamplingParams,
+    SeqResult,
+    Tensors,
+    check_new_sequence,
+)
 
 
 @dataclass(slots=True)
@@ -116,14 +122,9 @@ class HFEngine:
         sampling: SamplingParams | None = None,
         generated_logprobs: list[float] | None = None,
     ) -> None:
-        if seq_id in self._by_id:
-            raise ValueError(f"add: sequence {seq_id} is already in this engine")
-        if not prompt_ids:
-            raise ValueError(f"add: sequence {seq_id} has an empty prompt")
-        gen = list(generated_ids or [])
-        lps = list(generated_logprobs) if generated_logprobs is not None else [0.0] * len(gen)
-        if len(lps) != len(gen):
-            raise ValueError("add: generated_logprobs must match generated_ids in length")
+        gen, lps = check_new_sequence(
+            seq_id, prompt_ids, generated_ids, generated_logprobs, self._by_id
+        )
         if len(prompt_ids) + len(gen) + 1 > min(self.max_len, self.kv_capacity):
             raise ValueError(
                 f"add: sequence {seq_id} needs {len(prompt_ids) + len(gen) + 1} tokens; "

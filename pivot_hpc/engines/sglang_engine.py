@@ -57,7 +57,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pivot_hpc.engines.base import EngineStats, SamplingParams, SeqResult, Tensors
+from pivot_hpc.engines.base import (
+    EngineStats,
+    SamplingParams,
+    SeqResult,
+    Tensors,
+    check_new_sequence,
+)
 from pivot_hpc.engines.sglang_weights import serialized_buckets
 
 SGLANG_VERSION = "0.5.23"
@@ -200,18 +206,13 @@ class SGLangEngine:
         sampling: SamplingParams | None = None,
         generated_logprobs: list[float] | None = None,
     ) -> None:
-        if seq_id in self._reqs:
-            raise ValueError(f"add: sequence {seq_id} is already in this engine")
-        if not prompt_ids:
-            raise ValueError(f"add: sequence {seq_id} has an empty prompt")
+        gen, lps = check_new_sequence(
+            seq_id, prompt_ids, generated_ids, generated_logprobs, self._reqs
+        )
         if self._weights_stale:
             raise RuntimeError("add: weights were released; call resume_memory + load_weights")
         if self._released:
             raise RuntimeError(f"add: {sorted(self._released)} released; call resume_memory")
-        gen = list(generated_ids or [])
-        lps = list(generated_logprobs) if generated_logprobs is not None else [0.0] * len(gen)
-        if len(lps) != len(gen):
-            raise ValueError("add: generated_logprobs must match generated_ids in length")
         sp = sampling or SamplingParams()
         n_ctx = len(prompt_ids) + len(gen)
         if not gen and not self._fits(n_ctx):

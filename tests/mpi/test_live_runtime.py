@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -87,20 +86,7 @@ def test_failing_worker_brings_the_world_down(tmp_path: Path) -> None:
 
 def test_bad_layout_is_refused_before_work(tmp_path: Path) -> None:
     out = subprocess.run(
-        [
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-n",
-            "3",
-            sys.executable,
-            "-m",
-            "pivot_hpc",
-            "run",
-            "configs/tiny.yaml",
-            "--run-dir",
-            str(tmp_path),
-        ],
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "3", *run_command(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
