@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("pivot_hpc.cli.profile", "fit the throughput model (A, B, C, D) of an engine"),
     "run": ("pivot_hpc.cli.run", "the main job: RL post-training in one MPI world"),
     "simulate": ("pivot_hpc.cli.simulate", "run a deployment on a simulated cluster"),
+    "calibration": (
+        "pivot_hpc.cli.calibration",
+        "the simulator's calibration table: every cost with its source",
+    ),
     "report": ("pivot_hpc.cli.report", "summarise a run directory's telemetry"),
     "submit": ("pivot_hpc.cli.submit", "submit the main job to Slurm (submitit; requeues itself)"),
 }

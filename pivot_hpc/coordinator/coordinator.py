@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pivot_hpc.coordinator.cluster import Cluster
 from pivot_hpc.coordinator.events import (
     SequenceFinished,
+    SequencePreempted,
     ShiftDone,
     TrainingDone,
     WeightsUpdated,
@@ -77,6 +78,7 @@ class Stats:
     shifts_down: int = 0
     plans: int = 0
     migrated: int = 0
+    preempted: int = 0  # sequences the engines retracted for KV space (and re-queued)
     staleness: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # per step mean reward
 
@@ -179,6 +181,8 @@ class Coordinator:
     def handle(self, ev) -> None:
         if isinstance(ev, SequenceFinished):
             self._on_finished(ev)
+        elif isinstance(ev, SequencePreempted):
+            self._on_preempted(ev)
         elif isinstance(ev, ShiftDone):
             self._on_shift_done(ev)
         elif isinstance(ev, TrainingDone):
@@ -265,6 +269,20 @@ class Coordinator:
             log.reward_tokens += ev.generated
         self.dispatch(ev.role)
         self.maybe_train()
+
+    def _on_preempted(self, ev: SequencePreempted) -> None:
+        sched = self.schedulers[ev.role]
+        if sched.location(ev.seq_id) != ev.rid:
+            raise ConservationError(
+                f"{ev.role} sequence {ev.seq_id} preempted on {ev.rid} but the scheduler has "
+                f"it on {sched.location(ev.seq_id)}"
+            )
+        self.stats.preempted += 1
+        sched.requeue(ev.seq_id, ev.length)
+        # The engine is full now: the scheduler must see today's lengths before it
+        # places anything there again, or the sequence would bounce straight back.
+        sched.set_lengths(self.cluster.lengths(ev.role))
+        self.dispatch(ev.role)
 
     # ------------------------------------------------------------ shifts
     def gpus_free(self, rid: str) -> bool:

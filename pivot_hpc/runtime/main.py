@@ -227,6 +227,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         "gpus": cfg.cluster.total_gpus,
         "simulated": False,
         "horizon_s": cfg.planner.horizon_s,
+        "staleness": rl.staleness,
         "config": to_dict(cfg),
         **resume_meta,
     }

@@ -43,13 +43,14 @@ def gain(kind, A, B, C, D, n, tok, length):
 
 
 @njit(cache=True)
-def best_replica(length, cand, n, tok, cap, kind, A, B, C, D):
-    """argmax ΔT over candidate positions `cand` (ascending) with room; -1 if none."""
+def best_replica(length, cand, n, tok, cap, nmax, kind, A, B, C, D):
+    """argmax ΔT over candidate positions `cand` (ascending) with room (KV tokens within
+    `cap`, fewer than `nmax` running when `nmax` > 0); -1 if none."""
     best = -1
     best_gain = 0.0
     for i in range(cand.shape[0]):
         p = cand[i]
-        if tok[p] + length > cap[p]:
+        if tok[p] + length > cap[p] or (nmax[p] > 0 and n[p] >= nmax[p]):
             continue
         g = gain(kind[p], A[p], B[p], C[p], D[p], n[p], tok[p], length)
         if best < 0 or g > best_gain:
@@ -59,7 +60,7 @@ def best_replica(length, cand, n, tok, cap, kind, A, B, C, D):
 
 
 @njit(cache=True)
-def dispatch_order(order, seq_len, seq_rep, cand, n, tok, cap, kind, A, B, C, D, T):
+def dispatch_order(order, seq_len, seq_rep, cand, n, tok, cap, nmax, kind, A, B, C, D, T):
     """Dispatch queued sequences `order` (priority order) until one fits nowhere.
 
     Returns how many were placed; `seq_rep` tells where each went.
@@ -68,7 +69,7 @@ def dispatch_order(order, seq_len, seq_rep, cand, n, tok, cap, kind, A, B, C, D,
     for i in range(order.shape[0]):
         q = order[i]
         length = seq_len[q]
-        p = best_replica(length, cand, n, tok, cap, kind, A, B, C, D)
+        p = best_replica(length, cand, n, tok, cap, nmax, kind, A, B, C, D)
         if p < 0:
             break
         seq_rep[q] = p
@@ -114,6 +115,7 @@ def migrate(
     n,
     tok,
     cap,
+    nmax,
     kind,
     A,
     B,
@@ -154,7 +156,7 @@ def migrate(
         n[src] -= 1
         tok[src] -= length
         T[src] = throughput(kind[src], A[src], B[src], C[src], D[src], n[src], tok[src])
-        dst = best_replica(length, cand, n, tok, cap, kind, A, B, C, D)
+        dst = best_replica(length, cand, n, tok, cap, nmax, kind, A, B, C, D)
         if dst < 0 or dst == src:
             n[src] += 1
             tok[src] += length

@@ -98,7 +98,7 @@ def _grow(arr: np.ndarray, size: int, fill: float | int = 0) -> np.ndarray:
 class Scheduler:
     """Shared waiting queue + replica states for one role (rollout or reward)."""
 
-    _REPLICA_ARRAYS = ("active", "n", "tok", "cap", "kind", "A", "B", "C", "D", "T")
+    _REPLICA_ARRAYS = ("active", "n", "tok", "cap", "nmax", "kind", "A", "B", "C", "D", "T")
     _SEQ_ARRAYS = ("seq_len", "seq_rep", "seq_id")
 
     def __init__(
@@ -125,6 +125,7 @@ class Scheduler:
         self.n = np.zeros(0, np.int64)
         self.tok = np.zeros(0, np.int64)
         self.cap = np.zeros(0, np.int64)
+        self.nmax = np.zeros(0, np.int64)  # running-request cap (0: none)
         self.kind = np.zeros(0, np.int64)
         self.A = np.zeros(0)
         self.B = np.zeros(0)
@@ -247,6 +248,7 @@ class Scheduler:
         self._model_of.append(model)
         self.active[p], self.n[p], self.tok[p], self.cap[p] = 1, 0, 0, capacity
         self.kind[p], self.A[p], self.B[p], self.C[p], self.D[p] = kind, a, b, c, d
+        self.nmax[p] = model.max_running
         self.T[p] = 0.0
         self.replicas[rid] = p
 
@@ -361,6 +363,21 @@ class Scheduler:
         self._n_running -= 1
         return self._release(q)
 
+    def requeue(self, seq_id: int, length: int) -> None:
+        """The engine preempted a running sequence (KV cache full) holding `length` tokens:
+        it waits in the queue again with its progress, as SGLang re-queues a retracted
+        request. Dispatch places it again."""
+        q = self._q_of.get(seq_id)
+        if q is None or self.seq_rep[q] < 0:
+            raise SchedulerError(f"{self.role}: sequence {seq_id} is not running")
+        p = int(self.seq_rep[q])
+        self.n[p] -= 1
+        self.tok[p] -= int(self.seq_len[q])
+        self._refresh(p)
+        self._n_running -= 1
+        self.seq_len[q] = length
+        self._enqueue(q)
+
     def cancel(self, seq_id: int) -> SeqState:
         """Drop a waiting sequence from the queue."""
         q = self._q_of.get(seq_id)
@@ -432,6 +449,7 @@ class Scheduler:
             self.n[:m],
             self.tok[:m],
             self.cap[:m],
+            self.nmax[:m],
             self.kind[:m],
             self.A[:m],
             self.B[:m],
@@ -521,6 +539,7 @@ class Scheduler:
             self.n[:m],
             self.tok[:m],
             self.cap[:m],
+            self.nmax[:m],
             self.kind[:m],
             self.A[:m],
             self.B[:m],

@@ -22,6 +22,8 @@ class ReplicaModel(Protocol):
     The compiled scheduler loops evaluate the same formulas from `kernel_params()`.
     """
 
+    max_running: int  # running-sequence cap of a replica (0: none)
+
     def throughput(self, n_seq: int, n_tok: int) -> float: ...
 
     def gain(self, n_seq: int, n_tok: int, seq_len: int) -> float: ...
@@ -31,12 +33,17 @@ class ReplicaModel(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ThroughputModel:
-    """T = N_seq / (A·N_tok + max(B, C·N_seq) + D); constants in seconds."""
+    """T = N_seq / (A·N_tok + max(B, C·N_seq) + D); constants in seconds.
+
+    `max_running` > 0 caps the sequences a replica runs at once (an engine's
+    max-running-requests): dispatch treats a full replica like one without KV room.
+    """
 
     A: float
     B: float
     C: float
     D: float
+    max_running: int = 0
 
     def __post_init__(self) -> None:
         for name in ("A", "B", "C", "D"):
@@ -80,6 +87,8 @@ class BusyModel:
     With no throughput model there is no meaningful ΔT; dispatch falls back to the
     least-loaded replica (gain 1/(N_seq+1)), which is independent of the sequence length.
     """
+
+    max_running: int = 0
 
     def throughput(self, n_seq: int, n_tok: int) -> float:
         return 1.0 if n_seq > 0 else 0.0

@@ -1,48 +1,51 @@
-"""Hardware and model catalog for the simulator; throughput constants from first principles.
+"""Hardware and model catalog for the simulator, and the costs derived from them.
 
-Nothing here is fitted to the paper's results. Sources:
-- H20 96 GB: HBM 4.0 TB/s and 148 TFLOP/s dense bf16 (NVIDIA H20 datasheet); PCIe
-  63 GB/s and InfiniBand 50 GB/s as stated in the paper (§5.1, §8.1).
-- H100 SXM 80 GB: 3.35 TB/s, 989 TFLOP/s dense bf16 (NVIDIA H100 datasheet); H200 SXM
-  141 GB: 4.8 TB/s, 989 TFLOP/s (NVIDIA H200 datasheet). PCIe Gen5 x16 ≈ 63 GB/s usable,
-  NDR InfiniBand 400 Gb/s = 50 GB/s.
-- Models: the published HuggingFace configs (layers, hidden, heads, KV heads, head dim,
-  FFN sizes, vocab, experts) of Qwen2.5-1.5B/7B/32B/72B, GLM-Z1-9B-0414, Qwen3-30B-A3B.
-  Qwen3.5-122B-A10B: 122B total / 10B active and a 48-layer hybrid stack (Gated DeltaNet +
-  full attention, hidden 3072) from its model card; we assume the Qwen3-Next attention
-  layout (every 4th layer full attention, 2 KV heads of dim 256), so only 12 layers hold a
-  per-token KV cache — an assumption, stated as such.
+Costs are model sizes (published configs, below) times per-hardware calibration factors
+(`sim/calibration.py`, every number with its source). Nothing here is fitted to the
+paper's end-to-end results.
 
-Decode step (paper App. A): L = A·N_tok + max(B, C·N_seq) + D per replica of `tp` GPUs:
-  A = KV bytes per token / (tp · HBM bandwidth)       attention reads the whole KV cache
-  B = weight bytes / (tp · HBM bandwidth)             memory-bound FFN streams the weights
-      (MoE: all experts — at decode batch sizes ≥ ~32 nearly every expert is touched)
-  C = 2 · active params / (tp · peak FLOP/s · GEMM_EFFICIENCY)   compute-bound FFN
-  D = STEP_OVERHEAD_S (+ two all-reduces per layer when tp > 1)
-Assumptions (constants below, documented, not tuned): 80 % of peak HBM bandwidth is
-achievable, GEMM efficiency 0.6 for decode and prefill, training MFU 0.35, 3 ms fixed per decode step, 10 µs per TP all-reduce, 85 % of
-HBM usable by an inference engine, fixed engine start (KV allocation + CUDA graph capture)
-0.5 s on shift up, 0.2 s to stop an engine.
+Hardware: H20 96 GB (4.0 TB/s, 148 TFLOP/s dense bf16), H100 SXM 80 GB (3.35 TB/s,
+989 TFLOP/s), H200 SXM 141 GB (4.8 TB/s, 989 TFLOP/s): NVIDIA datasheets. PCIe 63 GB/s and
+InfiniBand 50 GB/s as stated in the paper (§5.1, §8.1).
+
+Models: the published HuggingFace configs (layers, hidden, heads, KV heads, head dim, FFN
+sizes, vocab, experts) of Qwen2.5-1.5B/7B/32B/72B, Qwen3-8B/32B, GLM-Z1-9B-0414 and
+Qwen3-30B-A3B. Qwen3.5-122B-A10B: 122B total from its model card; the layout is an
+assumption, stated as such: the Qwen3-Next/Qwen3.5 hybrid stack (48 layers, hidden 3072,
+every 4th layer full attention with 2 KV heads of dim 256, the other 36 Gated DeltaNet
+layers with an fp32 recurrent state of 32 value heads × 128 × 128 per sequence), 256
+experts of width 1024 with 8 routed per token (122B total, 9.7B active).
+
+Decode model (paper App. A, per replica of `tp` GPUs), see `EngineCalibration`:
+    L(n, tok) = A·tok + max(B(n), C·n) + S·n + D
+- KV cache per GPU: a GPU holds max(1, kv_heads/tp) KV heads — when kv_heads < tp the
+  heads are replicated, not split.
+- MoE: B(n) reads the dense weights plus the experts that n tokens touch, expected
+  E·(1 − (1 − k/E)^n) per layer under uniform routing.
+- Hybrid (DeltaNet) models: every running sequence reads and writes its recurrent state
+  each step (S), and the engine reserves that state for `max_running_requests` sequences.
+The scheduler and planner see A, B, C, D fitted to L over the engine's operating range, as
+`pivot-hpc profile` fits them on a real engine; the simulated replicas follow L itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
 
 from pivot_hpc.errors import PivotError
 from pivot_hpc.scheduler import ThroughputModel
+from pivot_hpc.scheduler.throughput import fit_throughput_model
+from pivot_hpc.sim.calibration import Calibration, calibration
 
 BF16 = 2
-GEMM_EFFICIENCY = 0.6
-HBM_EFFICIENCY = 0.8  # achievable fraction of peak HBM bandwidth (STREAM-like copies)
-TRAIN_MFU = 0.35
-STEP_OVERHEAD_S = 3e-3
-ALLREDUCE_S = 10e-6
-HBM_USABLE = 0.85
-ENGINE_START_S = 0.5
-ENGINE_STOP_S = 0.2
-TRAIN_CONTEXT_S = 1.0  # re-arm the training context (optimizer bookkeeping, comm warmup)
-OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m and v
+FP32 = 4
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m and v (distributed optimizer)
 
 
 class CatalogError(PivotError, ValueError):
@@ -82,8 +85,9 @@ class ModelSpec:
     experts_active: int = 0
     expert_ffn: int = 0
     kv_layers: int | None = None  # layers holding a per-token KV cache (hybrid models)
-    total_override: float | None = None  # published totals where the config is not modelled
-    active_override: float | None = None
+    state_layers: int = 0  # layers with a per-sequence recurrent state (Gated DeltaNet)
+    state_bytes_per_layer: float = 0.0  # that state per sequence, all heads (fp32)
+    total_override: float | None = None  # published total where the config is not modelled
 
     def _attn(self) -> float:
         h, d = self.hidden, self.head_dim
@@ -93,32 +97,62 @@ class ModelSpec:
         return self.vocab * self.hidden * (1 if self.tied else 2)
 
     @property
+    def expert_params(self) -> float:
+        """Parameters of all routed experts (0 for dense models)."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_ffn
+
+    @property
     def params(self) -> float:
         if self.total_override:
             return self.total_override
-        per_layer = (
-            self._attn()
-            + 3 * self.hidden * self.ffn
-            + 3 * self.hidden * self.expert_ffn * self.experts
-        )
-        return self._embed() + self.layers * per_layer
+        per_layer = self._attn() + 3 * self.hidden * self.ffn
+        return self._embed() + self.layers * per_layer + self.expert_params
+
+    @property
+    def dense_params(self) -> float:
+        """Parameters every token uses (everything but the routed experts)."""
+        return self.params - self.expert_params
 
     @property
     def active_params(self) -> float:
-        if self.active_override:
-            return self.active_override
-        per_layer = self._attn() + 3 * self.hidden * self.ffn
-        per_layer += 3 * self.hidden * self.expert_ffn * self.experts_active
-        return self._embed() + self.layers * per_layer
+        if not self.experts:
+            return self.params
+        return self.dense_params + self.expert_params * self.experts_active / self.experts
 
     @property
     def weight_bytes(self) -> float:
         return self.params * BF16
 
     @property
+    def kv_attention_layers(self) -> int:
+        return self.kv_layers if self.kv_layers is not None else self.layers
+
+    @property
     def kv_bytes_per_token(self) -> float:
-        layers = self.kv_layers if self.kv_layers is not None else self.layers
-        return 2 * layers * self.kv_heads * self.head_dim * BF16
+        """KV bytes of one token on one replica when every KV head is stored once."""
+        return 2 * self.kv_attention_layers * self.kv_heads * self.head_dim * BF16
+
+    def kv_bytes_per_token_per_gpu(self, tp: int) -> float:
+        """Each GPU stores max(1, kv_heads/tp) heads: replicated when kv_heads < tp."""
+        heads = max(1, math.ceil(self.kv_heads / tp))
+        return 2 * self.kv_attention_layers * heads * self.head_dim * BF16
+
+    @property
+    def state_bytes_per_seq(self) -> float:
+        return self.state_layers * self.state_bytes_per_layer
+
+    def expected_experts(self, n: float) -> float:
+        """Expected distinct experts per layer touched by n tokens (uniform top-k routing)."""
+        if not self.experts or n <= 0:
+            return 0.0
+        return self.experts * (1.0 - (1.0 - self.experts_active / self.experts) ** n)
+
+    def weight_bytes_read(self, n: float) -> float:
+        """Weight bytes one decode step of n sequences streams (whole replica)."""
+        if not self.experts:
+            return self.weight_bytes
+        touched = self.expected_experts(n) / self.experts
+        return (self.dense_params + self.expert_params * touched) * BF16
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -126,6 +160,8 @@ MODELS: dict[str, ModelSpec] = {
     "qwen2.5-7b": ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
     "qwen2.5-32b": ModelSpec("Qwen2.5-32B", 64, 5120, 40, 8, 128, 27648, 152064),
     "qwen2.5-72b": ModelSpec("Qwen2.5-72B", 80, 8192, 64, 8, 128, 29568, 152064),
+    "qwen3-8b": ModelSpec("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936),
+    "qwen3-32b": ModelSpec("Qwen3-32B", 64, 5120, 64, 8, 128, 25600, 151936),
     "glm-z1-9b": ModelSpec("GLM-Z1-9B", 40, 4096, 32, 2, 128, 13696, 151552),
     "qwen3-30b-a3b": ModelSpec(
         "Qwen3-30B-A3B",
@@ -149,9 +185,13 @@ MODELS: dict[str, ModelSpec] = {
         256,
         0,
         248320,
+        experts=256,
+        experts_active=8,
+        expert_ffn=1024,
         kv_layers=12,
+        state_layers=36,
+        state_bytes_per_layer=32 * 128 * 128 * FP32,
         total_override=122e9,
-        active_override=10e9,
     ),
 }
 
@@ -163,68 +203,276 @@ def lookup(table: dict, name: str, what: str):
         raise CatalogError(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}") from None
 
 
+# ------------------------------------------------------------------------ inference
+@dataclass(frozen=True)
+class DecodeCost:
+    """The simulated engine's decode iteration, L(n, tok) = A·tok + fixed(n)."""
+
+    A: float
+    B_dense: float  # dense-weight streaming time
+    B_experts: float  # streaming time of all routed experts (0 for dense models)
+    experts: int
+    experts_active: int
+    C: float
+    S: float  # recurrent-state time per running sequence
+    D: float
+
+    def B(self, n: float) -> float:
+        if not self.experts:
+            return self.B_dense
+        k, e = self.experts_active, self.experts
+        return self.B_dense + self.B_experts * (1.0 - (1.0 - k / e) ** max(n, 1.0))
+
+    def fixed(self, n: float) -> float:
+        """The part of a step that does not depend on the tokens held."""
+        b = self.B(n)
+        c = self.C * n
+        return (b if b > c else c) + self.S * n + self.D
+
+    def latency(self, n: float, tok: float) -> float:
+        return self.A * tok + self.fixed(n)
+
+
 @dataclass(frozen=True)
 class InferenceCosts:
     """Everything the simulator needs about one (model, hardware, tp) inference replica."""
 
-    model: ThroughputModel
+    model: ThroughputModel  # what the scheduler and planner see (fitted to `decode`)
     kv_capacity_tokens: int
     prefill_s_per_token: float
     shift_up_s: dict[str, float]  # phase -> seconds
     shift_down_s: dict[str, float]
     weight_update_s: float  # re-read weights from GPS (new policy version)
+    decode: DecodeCost | None = None  # the engine itself (None: follow `model` exactly)
+    max_running: int = 0  # running-request cap of one replica (0: none)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def latency(self, n: float, tok: float) -> float:
+        if self.decode is not None:
+            return self.decode.latency(n, tok)
+        return self.model.latency(int(n), int(tok))
+
+    def fixed(self, n: float) -> float:
+        """Step time at zero tokens held (the simulator's per-membership constant)."""
+        if self.decode is not None:
+            return self.decode.fixed(n)
+        m = self.model
+        c = m.C * n
+        return (m.B if m.B > c else c) + m.D
+
+    @property
+    def A(self) -> float:
+        return self.decode.A if self.decode is not None else self.model.A
+
+    def best_rate(self, context: float = 2000.0) -> float:
+        """Highest tokens/s of one replica at a `context`-token mean context (KV and
+        running caps respected): the role's best operating point for bounds."""
+        cap_n = max(1, self.kv_capacity_tokens // max(1, int(context)))
+        if self.max_running:
+            cap_n = min(cap_n, self.max_running)
+        ns = np.unique(np.clip(np.geomspace(1, cap_n, 48).astype(int), 1, cap_n))
+        return max(n / self.latency(n, n * context) for n in ns)
 
 
-def inference_costs(model: ModelSpec, hw: Hardware, tp: int) -> InferenceCosts:
-    hbm = hw.hbm_tb_s * 1e12 * tp * HBM_EFFICIENCY
-    flops = hw.bf16_tflops * 1e12 * tp * GEMM_EFFICIENCY
-    d = STEP_OVERHEAD_S + (2 * model.layers * ALLREDUCE_S if tp > 1 else 0.0)
-    tm = ThroughputModel(
-        A=model.kv_bytes_per_token / hbm,
-        B=model.weight_bytes / hbm,
-        C=2 * model.active_params / flops,
-        D=d,
+def _fit_grid(decode: DecodeCost, max_n: int, kv_capacity: int) -> ThroughputModel:
+    """A, B, C, D as a profile of the engine would fit them (n up to the cap, contexts from
+    a short prompt to the response cap)."""
+    ns = np.unique(np.geomspace(1, max(2, max_n), 12).astype(int))
+    rows = []
+    for n in ns:
+        for ctx in (300, 1000, 2000, 4000, 8000, 15000):
+            tok = n * ctx
+            if tok <= kv_capacity:
+                rows.append((decode.latency(n, tok), n, tok))
+    if len(rows) < 4:
+        rows = [(decode.latency(n, n * 300), n, n * 300) for n in (1, 2, 3, 4)]
+    lat, n, tok = (np.array(c, dtype=float) for c in zip(*rows, strict=True))
+    return fit_throughput_model(lat, n, tok).model
+
+
+def inference_costs(
+    model: ModelSpec, hw: Hardware, tp: int, cal: Calibration | None = None
+) -> InferenceCosts:
+    cal = cal or calibration(_hw_key(hw))
+    e, s = cal.engine, cal.shift
+    bw = hw.hbm_tb_s * 1e12  # per GPU
+    flops = hw.bf16_tflops * 1e12
+    w_bw = bw * e.eta_weights.value
+    expert_bytes = model.expert_params * BF16
+    allreduce = 2 * model.layers * e.allreduce_s.value if tp > 1 else 0.0
+    decode = DecodeCost(
+        A=model.kv_bytes_per_token_per_gpu(tp) / (bw * e.eta_attention.value),
+        B_dense=(model.weight_bytes - expert_bytes) / tp / w_bw,
+        B_experts=expert_bytes / tp / w_bw,
+        experts=model.experts,
+        experts_active=model.experts_active,
+        C=2 * model.active_params / (tp * flops * e.eta_decode_compute.value),
+        S=2 * model.state_bytes_per_seq / tp / w_bw,
+        D=e.step_overhead_s.value + allreduce,
     )
-    free = tp * hw.hbm_gb * 1e9 * HBM_USABLE - model.weight_bytes
+    max_running = int(e.max_running_requests.value)
+    usable = hw.hbm_gb * 1e9 * e.hbm_usable.value
+    state = model.state_bytes_per_seq / tp * max_running  # reserved state pool
+    free = usable - model.weight_bytes / tp - state
     if free <= 0:
         raise CatalogError(
             f"{model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) does not fit on "
             f"{tp}×{hw.name}: raise its tp"
         )
-    read = model.weight_bytes / tp / (hw.pcie_gb_s * 1e9)  # node-local GPS read over PCIe
-    return InferenceCosts(
-        model=tm,
-        kv_capacity_tokens=int(free / model.kv_bytes_per_token),
-        prefill_s_per_token=2 * model.active_params / flops,
-        shift_up_s={"read_s": read, "reload_s": ENGINE_START_S},
-        shift_down_s={"discard_s": ENGINE_STOP_S},
-        weight_update_s=read,
+    kv_capacity = int(free / model.kv_bytes_per_token_per_gpu(tp))
+    read = model.weight_bytes / (s.host_read_gb_s.value * 1e9)
+    fitted = dataclasses.replace(
+        _fit_grid(decode, max_running, kv_capacity), max_running=max_running
     )
+    return InferenceCosts(
+        model=fitted,
+        kv_capacity_tokens=kv_capacity,
+        prefill_s_per_token=2 * model.active_params / (tp * flops * e.eta_prefill.value),
+        shift_up_s={"read_s": read, "reload_s": s.engine_start_s.value},
+        shift_down_s={"discard_s": s.engine_stop_s.value},
+        weight_update_s=read,
+        decode=decode,
+        max_running=max_running,
+        sources={name: src for name, _, src in cal.rows()},
+    )
+
+
+def with_max_running(costs: InferenceCosts, max_running: int) -> InferenceCosts:
+    """The same engine with another running-request cap."""
+    return dataclasses.replace(
+        costs,
+        model=dataclasses.replace(costs.model, max_running=max_running),
+        max_running=max_running,
+        sources={
+            **costs.sources,
+            "engine.max_running_requests": "config: sim.max_running_requests",
+        },
+    )
+
+
+def from_profile(costs: InferenceCosts, path: str | Path) -> InferenceCosts:
+    """The user's own engine profile (`pivot-hpc profile` YAML): its A-D drive both the
+    simulated engine and the scheduler; `kv_capacity_tokens` in the file replaces the
+    catalog's capacity. Shift and prefill costs stay the catalog's."""
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    try:
+        t = doc["throughput"]
+        model = ThroughputModel(
+            A=float(t["A"]),
+            B=float(t["B"]),
+            C=float(t["C"]),
+            D=float(t["D"]),
+            max_running=costs.max_running,
+        )
+        kv = int(doc.get("kv_capacity_tokens", costs.kv_capacity_tokens))
+    except (TypeError, KeyError, ValueError) as exc:
+        raise CatalogError(
+            f"{path}: not a throughput profile ({exc}); write one with `pivot-hpc profile`"
+        ) from None
+    src = f"profile: {path}"
+    sources = {**costs.sources, "A": src, "B": src, "C": src, "D": src}
+    if "kv_capacity_tokens" in doc:
+        sources["kv_capacity_tokens"] = src
+    return dataclasses.replace(
+        costs, model=model, decode=None, kv_capacity_tokens=kv, sources=sources
+    )
+
+
+def _hw_key(hw: Hardware) -> str:
+    return next(k for k, v in HARDWARE.items() if v is hw or v == hw)
+
+
+# ------------------------------------------------------------------------- training
+@dataclass(frozen=True)
+class TrainingTerms:
+    """Which passes a training step runs (paper §8.1 baselines run on veRL)."""
+
+    recompute_old_logprobs: bool = False  # an old-policy forward before the update
+    activation_recompute: bool = True  # full recompute: one more forward in backward
+    reference_forward: bool = False  # KL against a frozen reference policy
 
 
 @dataclass(frozen=True)
 class TrainingCosts:
     gpus: int
-    # 6·P/(gpus·peak·MFU): forward + backward. No separate old-policy logprob pass: the
-    # GRPO loss takes the importance ratio against the rollout engine's logprobs.
-    step_s_per_token: float
+    flops_per_token: float  # linear-layer FLOPs of every pass per trained token
+    attn_flops_per_token2: float  # causal-attention FLOPs per (sequence length)² of every pass
+    flops_per_s: float  # the training GPUs' achieved FLOP/s (peak × MFU)
     shift_up_s: dict[str, float]
     shift_down_s: dict[str, float]
     publish_s: float  # GPS Write of the new policy (not overlapped in the simulator)
 
+    def gpu_s_per_token_at(self, length: float) -> float:
+        """GPU-seconds per trained token of a sequence of `length` tokens (bounds)."""
+        per_gpu = self.flops_per_s / self.gpus
+        return (self.flops_per_token + self.attn_flops_per_token2 * length) / per_gpu
 
-def training_costs(model: ModelSpec, hw: Hardware, gpus: int, tp: int) -> TrainingCosts:
+    @property
+    def step_s_per_token(self) -> float:
+        return self.flops_per_token / self.flops_per_s
+
+    def step_time(self, lengths: list[int] | np.ndarray) -> float:
+        """Seconds for one step over sequences of these lengths (prompt + response)."""
+        x = np.asarray(lengths, dtype=float)
+        flops = self.flops_per_token * x.sum() + self.attn_flops_per_token2 * (x * x).sum()
+        return flops / self.flops_per_s + self.publish_s
+
+
+def _mfu(model: ModelSpec, cal: Calibration) -> float:
+    t = cal.training
+    if model.experts:
+        return t.mfu_moe.value
+    return (t.mfu_dense_small if model.params < 10e9 else t.mfu_dense_large).value
+
+
+def training_costs(
+    model: ModelSpec,
+    hw: Hardware,
+    gpus: int,
+    tp: int,
+    terms: TrainingTerms | None = None,
+    gpus_per_node: int = 8,
+    cal: Calibration | None = None,
+) -> TrainingCosts:
     if gpus < 1:
         raise CatalogError("training needs at least one GPU")
-    peak = hw.bf16_tflops * 1e12 * gpus * TRAIN_MFU
-    shard = model.weight_bytes / max(1, min(tp, gpus))
-    pcie = hw.pcie_gb_s * 1e9
-    opt = model.params * OPTIMIZER_BYTES_PER_PARAM / gpus / pcie  # distributed optimizer shard
-    write = max(shard / pcie, model.weight_bytes / (hw.ib_gb_s * 1e9))
+    cal = cal or calibration(_hw_key(hw))
+    terms = terms or TrainingTerms()
+    s = cal.shift
+    passes = 3.0  # forward + backward (2×)
+    if terms.activation_recompute:
+        passes += 1.0
+    if terms.recompute_old_logprobs:
+        passes += 1.0
+    if terms.reference_forward:
+        passes += 1.0
+    q_dim = model.heads * model.head_dim
+    # causal attention forward: QK^T and AV, 2·L²·q_dim FLOPs per attention layer in all
+    attn = 2.0 * model.kv_attention_layers * q_dim
+    rate = hw.bf16_tflops * 1e12 * gpus * _mfu(model, cal)
+    on_node = min(gpus, gpus_per_node)
+    tp = max(1, min(tp, gpus))
+    weights_node = model.weight_bytes / tp * on_node  # each GPU reads its TP shard
+    optimizer_node = model.params * OPTIMIZER_BYTES_PER_PARAM * on_node / gpus
+    host = s.train_host_gb_s.value * 1e9
+    pcie, ib = hw.pcie_gb_s * 1e9, hw.ib_gb_s * 1e9
+    write = max(model.weight_bytes / tp / pcie, model.weight_bytes / ib)
     return TrainingCosts(
         gpus=gpus,
-        step_s_per_token=6 * model.active_params / peak,
-        shift_up_s={"read_s": shard / pcie, "reload_s": opt + TRAIN_CONTEXT_S},
-        shift_down_s={"offload_s": opt, "discard_s": ENGINE_STOP_S},
+        flops_per_token=2.0 * model.active_params * passes,
+        attn_flops_per_token2=attn * passes,
+        flops_per_s=rate,
+        shift_up_s={
+            "read_s": weights_node / host,
+            "reload_s": optimizer_node / host + s.train_start_s.value,
+        },
+        shift_down_s={"offload_s": optimizer_node / host, "discard_s": s.train_stop_s.value},
         publish_s=write,
     )
+
+
+@lru_cache(maxsize=64)
+def cached_inference_costs(model: str, hw: str, tp: int) -> InferenceCosts:
+    return inference_costs(MODELS[model], HARDWARE[hw], tp)

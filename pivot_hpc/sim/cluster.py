@@ -1,12 +1,16 @@
 """A discrete-event simulated cluster that speaks the coordinator's `Cluster` protocol.
 
-Replicas advance by the throughput model: with n running sequences holding tok tokens a
-decode iteration takes A·tok + max(B, C·n) + D and gives every sequence one token. Between
-membership changes n is fixed and tok grows by n per iteration, so the time for m
-iterations is m·(A·tok + max(B, C·n) + D) + A·n·m²/2 (tokens treated as continuous) and
-its inverse is a quadratic root: each replica jumps straight to its next finish. Admitting
-a sequence costs a (re-)prefill of its whole context, during which the replica does not
-decode. KV capacity is enforced by the scheduler that dispatches.
+Replicas advance by the engine's decode cost: with n running sequences holding tok tokens
+an iteration takes A·tok + F(n) (F: the weight, per-sequence and fixed costs, see
+sim/catalog.py) and gives every sequence one token. Between membership changes n is fixed
+and tok grows by n per iteration, so the time for m iterations is m·(A·tok + F(n)) +
+A·n·m²/2 (tokens treated as continuous) and its inverse is a quadratic root: each replica
+jumps straight to its next finish. Admitting a sequence costs a (re-)prefill of its whole
+context, during which the replica does not decode. The scheduler admits sequences within
+KV capacity and the running-request cap; as admitted sequences grow, a full KV cache makes
+the engine retract sequences (fewest generated tokens first, as SGLang's retract-decode
+does) until every remaining one has room for RETRACT_HEADROOM more tokens; the retracted
+ones keep their tokens and go back to the scheduler's queue (`SequencePreempted`).
 
 Events are ordered by (time, kind, id) with lazy invalidation (a replica's pending finish
 event is dropped if its membership changed since), so a run is deterministic for a seed.
@@ -19,13 +23,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pivot_hpc.coordinator.events import SequenceFinished, ShiftDone, TrainingDone, WeightsUpdated
+from pivot_hpc.coordinator.events import (
+    SequenceFinished,
+    SequencePreempted,
+    ShiftDone,
+    TrainingDone,
+    WeightsUpdated,
+)
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.planner.snapshot import TRAINING, role_of
 from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
 
 # event kinds, in tie-breaking order
 FINISH, SHIFT, WEIGHTS, TRAIN = 0, 1, 2, 3
+RETRACT_HEADROOM = 20  # tokens per remaining sequence after a retraction (SGLang: 20 steps)
 
 
 @dataclass(slots=True)
@@ -50,6 +61,24 @@ class _Replica:
     t_last: float = 0.0
     busy_until: float = 0.0  # prefill or weight load: no decoding before this
     version: int = 0  # event stamp for lazy invalidation
+    fixed_n: int = -1  # membership size `fixed` was computed for
+    fixed: float = 0.0  # F(n): the step time at zero tokens held
+
+    def step_fixed(self) -> float:
+        n = len(self.seqs)
+        if n != self.fixed_n:
+            self.fixed_n = n
+            self.fixed = self.costs.fixed(n)
+        return self.fixed
+
+    def next_event(self) -> float:
+        """Iteration count of the next finish or of a full KV cache, whichever is first."""
+        at = self.next_finish()
+        n = len(self.seqs)
+        if n > 1:  # one sequence alone is never retracted (the scheduler admitted it)
+            room = self.costs.kv_capacity_tokens - self.tok
+            at = min(at, self.iters + max(0.0, room) / n)
+        return at
 
     def next_finish(self) -> float:
         heap = self.finishing
@@ -102,10 +131,10 @@ class SimCluster:
         start = max(r.t_last, r.busy_until)
         if self.t > start and r.seqs:
             n = len(r.seqs)
-            m = r.costs.model
-            c = m.A * r.tok + (m.B if m.B > m.C * n else m.C * n) + m.D
-            it = _iterations(self.t - start, m.A * n, c)
-            it = min(it, max(0.0, r.next_finish() - r.iters))
+            a = r.costs.A
+            c = a * r.tok + r.step_fixed()
+            it = _iterations(self.t - start, a * n, c)
+            it = min(it, max(0.0, r.next_event() - r.iters))
             r.iters += it
             r.tok += it * n
             self._tokens[r.role] += it * n
@@ -116,11 +145,11 @@ class SimCluster:
         if not r.seqs:
             return
         n = len(r.seqs)
-        m = r.costs.model
-        c = m.A * r.tok + (m.B if m.B > m.C * n else m.C * n) + m.D
-        it = max(0.0, r.next_finish() - r.iters)
+        a = r.costs.A
+        c = a * r.tok + r.step_fixed()
+        it = max(0.0, r.next_event() - r.iters)
         start = max(self.t, r.busy_until)
-        self._push(start + c * it + m.A * n * it * it / 2.0, FINISH, r.rid, r.version, None)
+        self._push(start + c * it + a * n * it * it / 2.0, FINISH, r.rid, r.version, None)
 
     # -------------------------------------------------------- cluster API
     def shift_up(self, rid: str, version: int) -> None:
@@ -169,6 +198,26 @@ class SimCluster:
         self._schedule(r)
         return round(length)
 
+    def _retract(self, r: _Replica) -> list[SequencePreempted]:
+        """KV cache full: retract sequences with the fewest generated tokens (ties: the
+        longest context) until the rest have RETRACT_HEADROOM tokens of room each."""
+        order = sorted(
+            r.seqs.items(),
+            key=lambda kv: (kv[1].generated0 + r.iters - kv[1].base, -r.length(kv[1]), kv[0]),
+        )
+        out = []
+        cap = r.costs.kv_capacity_tokens
+        for sid, s in order:
+            if len(r.seqs) <= 1 or r.tok + RETRACT_HEADROOM * len(r.seqs) <= cap:
+                break
+            del r.seqs[sid]
+            length = r.length(s)
+            r.tok -= length
+            self._progress[(r.role, sid)] = s.generated0 + (r.iters - s.base)
+            self._targets.pop((r.role, sid))
+            out.append(SequencePreempted(self.t, r.role, r.rid, sid, round(length)))
+        return out
+
     def take_finished(self, role: str, seq_id: int):
         raise RuntimeError("the simulator aborts synchronously; nothing is held back")
 
@@ -189,8 +238,7 @@ class SimCluster:
         self._schedule(r)
 
     def train(self, step: int, samples: Sequence[Sample]) -> None:
-        tokens = sum(s.prompt_len + s.response_len for s in samples)
-        duration = self.training.step_s_per_token * tokens + self.training.publish_s
+        duration = self.training.step_time([s.prompt_len + s.response_len for s in samples])
         self._push(self.t + duration, TRAIN, TRAINING, step, None)
 
     def prefill_time(self, role: str, tokens: int) -> float:
@@ -235,7 +283,7 @@ class SimCluster:
             if r is None or r.version != stamp:
                 return []
             self._advance(r)
-            out = []
+            out: list = []
             while r.next_finish() <= r.iters + 1e-6:
                 _, sid = heapq.heappop(r.finishing)
                 s = r.seqs.pop(sid)
@@ -247,6 +295,8 @@ class SimCluster:
                         self.t, r.role, r.rid, sid, round(length), round(target), payload_
                     )
                 )
+            if len(r.seqs) > 1 and r.tok >= r.costs.kv_capacity_tokens - 1e-6:
+                out.extend(self._retract(r))
             self._schedule(r)
             return out
         if kind == SHIFT:

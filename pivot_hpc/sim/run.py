@@ -19,19 +19,43 @@ from pivot_hpc.coordinator.modes import make_mode
 from pivot_hpc.coordinator.rl_state import RLState
 from pivot_hpc.planner import Topology
 from pivot_hpc.scheduler import BusyModel
-from pivot_hpc.sim.catalog import HARDWARE, MODELS, inference_costs, lookup, training_costs
+from pivot_hpc.sim.catalog import (
+    HARDWARE,
+    MODELS,
+    InferenceCosts,
+    TrainingTerms,
+    from_profile,
+    inference_costs,
+    lookup,
+    training_costs,
+    with_max_running,
+)
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
+
+
+def role_costs(cfg: Config) -> dict[str, InferenceCosts]:
+    """Inference costs of both roles: catalog × calibration, or the user's own profiles."""
+    hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
+    out = {}
+    for role, name, profile in (
+        ("rollout", cfg.sim.policy_model, cfg.sim.rollout_profile),
+        ("reward", cfg.sim.reward_model, cfg.sim.reward_profile),
+    ):
+        costs = inference_costs(lookup(MODELS, name, "model"), hw, getattr(cfg, role).tp)
+        if cfg.sim.max_running_requests is not None:
+            costs = with_max_running(costs, cfg.sim.max_running_requests)
+        if profile is not None:
+            costs = from_profile(costs, profile)
+        out[role] = costs
+    return out
 
 
 def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
     hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
     policy = lookup(MODELS, cfg.sim.policy_model, "model")
     judge = lookup(MODELS, cfg.sim.reward_model, "model")
-    costs = {
-        "rollout": inference_costs(policy, hw, cfg.rollout.tp),
-        "reward": inference_costs(judge, hw, cfg.reward.tp),
-    }
+    costs = role_costs(cfg)
     mode_name = cfg.deployment.mode
     n = cfg.cluster.total_gpus
     training = list(range(n)) if mode_name == "colocated" else cfg.training_gpus()
@@ -42,16 +66,29 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
         gpus_per_node=cfg.cluster.gpus_per_node,
         tp={"rollout": cfg.rollout.tp, "reward": cfg.reward.tp},
         kv_capacity={r: c.kv_capacity_tokens for r, c in costs.items()},
-        models={r: BusyModel() if vanilla else c.model for r, c in costs.items()},
+        models={
+            r: BusyModel(max_running=c.max_running) if vanilla else c.model
+            for r, c in costs.items()
+        },
         training_gpus=training,
         allowed={"rollout": cfg.rollout.gpus, "reward": cfg.reward.gpus},
         shift_time=cfg.planner.shift_time_s,
     )
-    mode = make_mode(cfg, training)
-    cluster = SimCluster(
-        inference=costs,
-        training=training_costs(policy, hw, len(training), cfg.sim.training_tp),
+    terms = TrainingTerms(
+        recompute_old_logprobs=cfg.sim.recompute_old_logprobs,
+        activation_recompute=cfg.sim.activation_recompute,
+        reference_forward=cfg.rl.grpo.kl_coef > 0,
     )
+    train_costs = training_costs(
+        policy,
+        hw,
+        len(training),
+        cfg.sim.training_tp,
+        terms,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+    )
+    mode = make_mode(cfg, training)
+    cluster = SimCluster(inference=costs, training=train_costs)
     rl = RLState(
         steps=cfg.loop.steps,
         batch_prompts=cfg.loop.batch_prompts,
@@ -82,8 +119,33 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
         "reward_model": judge.name,
         "staleness": rl.staleness,
         "config": json.dumps(to_dict(cfg)),
+        # For the work-conserving bound (telemetry/summary.py): each role's best tokens/s
+        # per GPU and training's GPU-seconds per trained token (linear part).
+        "bound_rollout_per_gpu": best_per_gpu(costs["rollout"], "rollout", cfg.rollout.tp, cfg),
+        "bound_reward_per_gpu": best_per_gpu(costs["reward"], "reward", cfg.reward.tp, cfg),
+        "bound_train_gpu_s_per_token": train_costs.gpu_s_per_token_at(mean_train_length(cfg)),
     }
     return coord, cluster, meta
+
+
+def mean_train_length(cfg: Config) -> float:
+    """A trained sequence's typical length (median prompt + median response)."""
+    w = cfg.sim.workload
+    return (w.prompt_len_min + w.prompt_len_max) / 2 + w.response_median
+
+
+def best_per_gpu(costs: InferenceCosts, role: str, tp: int, cfg: Config) -> float:
+    """A role's best tokens/s per GPU at its workload's mean context over a sequence's life
+    (prompt + half the response; for the GenRM prompt + response + half the judgement, at
+    median lengths): the per-GPU rate of the work-conserving bound."""
+    w = cfg.sim.workload
+    prompt = (w.prompt_len_min + w.prompt_len_max) / 2
+    if role == "rollout":
+        ctx = prompt + w.response_median / 2
+    else:
+        judgement = w.judgement_base + w.judgement_per_response_token * w.response_median
+        ctx = prompt + w.response_median + judgement / 2
+    return costs.best_rate(ctx) / tp
 
 
 def scale_to(cfg: Config, gpus: int) -> Config:

@@ -1,7 +1,8 @@
 """Simulated samples: prompt, response and GenRM judgement lengths, and synthetic rewards.
 
 Lengths are long-tailed (log-normal, capped at the paper's 15K policy / 20K GenRM tokens;
-prompts up to 2K, §8.1). Rewards are synthetic (the simulator has no model): a sample is
+prompts up to 2K, §8.1). Response medians grow with the RL step; a judgement's median grows
+with the length of the response it judges (see `WorkloadConfig`). Rewards are synthetic (the simulator has no model): a sample is
 correct with probability p(step) = p0 + (p1 − p0)·(1 − e^(−step/τ)), the GenRM score
 agrees with correctness 80 % of the time — enough for reward curves in the traces; the
 simulator's purpose is throughput, not learning.
@@ -48,10 +49,13 @@ class SimWorkload:
         p = min(1.0, max(0.0, p + 0.2 * difficulty))
         correct = bool(rng.random() < p)
         agree = rng.random() < 0.8
+        response_median = c.response_median * (1.0 + c.response_growth_per_step * step)
+        response_len = self._lognormal(rng, response_median, c.response_sigma, c.response_cap)
+        judgement_median = c.judgement_base + c.judgement_per_response_token * response_len
         payload = SimPayload(
-            response_len=self._lognormal(rng, c.response_median, c.response_sigma, c.response_cap),
+            response_len=response_len,
             judgement_len=self._lognormal(
-                rng, c.judgement_median, c.judgement_sigma, c.judgement_cap
+                rng, judgement_median, c.judgement_sigma, c.judgement_cap
             ),
             correct=correct,
             genrm_score=float(correct == agree),

@@ -5,6 +5,14 @@ Definitions (also in analysis/README.md):
   ÷ (last step end − first step start). Training tokens are not added: they are the same
   tokens the rollout generated, trained on. A step logged twice (redone after a resume from
   an older checkpoint) counts once, with its last row.
+- steady-state throughput: the tokens of the steps after the pipeline has filled (steps
+  numbered > staleness, i.e. all but the first staleness+1) ÷ (last step end − end of
+  step `staleness`). None with fewer than staleness+2 completed steps.
+- work-conserving bound: tokens ÷ (GPU-seconds the run's work needs at each role's best
+  per-GPU rate, no shift cost, ÷ GPUs): rollout tokens / best rollout tokens/s per GPU +
+  reward tokens / best reward tokens/s per GPU + trained tokens × training GPU-seconds per
+  token, with the rates from the run's `bound_*` attributes (written by the simulator; None
+  for runs without them).
 - utilisation of a role: GPU-seconds it held ÷ all GPU-seconds, with the `allocation` series
   read as piecewise constant (a row holds until the next; the last until the run's end time).
 - shifts: `shifts` rows of kind "up" (one per replica joining a role); per step = ÷ steps.
@@ -49,6 +57,29 @@ def end_to_end(steps: np.ndarray) -> dict[str, float]:
         "duration_s": duration,
         "tokens_per_s": tokens / duration if duration > 0 else 0.0,
     }
+
+
+def steady_state(steps: np.ndarray, staleness: int) -> float | None:
+    """Tokens/s after the pipeline has filled (see the module docstring)."""
+    if len(steps) < staleness + 2:
+        return None
+    by_step = steps[np.argsort(steps["step"], kind="stable")]
+    t0 = float(by_step["end"][staleness])
+    rest = by_step[staleness + 1 :]
+    span = float(rest["end"].max()) - t0
+    tokens = float(rest["rollout_tokens"].sum() + rest["reward_tokens"].sum())
+    return tokens / span if span > 0 else None
+
+
+def work_conserving_bound(steps: np.ndarray, attr: Any, gpus: int | None) -> float | None:
+    """Tokens/s if every GPU ran its role's best per-GPU rate with no shift cost."""
+    rates = [attr(k) for k in ("bound_rollout_per_gpu", "bound_reward_per_gpu")]
+    train = attr("bound_train_gpu_s_per_token")
+    if not len(steps) or not gpus or None in rates or train is None or min(rates) <= 0:
+        return None
+    ro, rm = float(steps["rollout_tokens"].sum()), float(steps["reward_tokens"].sum())
+    gpu_s = ro / rates[0] + rm / rates[1] + float(steps["train_tokens"].sum()) * train
+    return (ro + rm) / (gpu_s / gpus) if gpu_s > 0 else None
 
 
 def utilisation(alloc: np.ndarray, end_time: float) -> dict[str, float]:
@@ -175,6 +206,8 @@ def summarise(run: Run) -> dict[str, Any]:
         "train_tokens": int(steps["train_tokens"].sum()) if len(steps) else 0,
         "duration_s": e2e["duration_s"],
         "tokens_per_s": e2e["tokens_per_s"],
+        "tokens_per_s_steady": steady_state(steps, int(run.attr("staleness", 0) or 0)),
+        "tokens_per_s_bound": work_conserving_bound(steps, run.attr, run.attr("gpus")),
         "end_time_s": run.end_time,
         "reward_mean_first": float(steps["reward_mean"][0]) if len(steps) else None,
         "reward_mean_last": float(steps["reward_mean"][-1]) if len(steps) else None,
@@ -215,7 +248,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"H={_num(s['horizon_s'], '{:g}')}s   simulated={s['simulated']}",
         f"steps      {s['steps']}   duration {s['duration_s']:.1f} s",
         f"throughput {s['tokens_per_s']:.1f} tokens/s end to end "
-        f"({s['tokens']} rollout+reward tokens)",
+        f"({s['tokens']} rollout+reward tokens)   steady state "
+        f"{_num(s['tokens_per_s_steady'], '{:.1f}')}   work-conserving bound "
+        f"{_num(s['tokens_per_s_bound'], '{:.1f}')}",
         f"reward     first step {_num(s['reward_mean_first'], '{:.4f}')}   "
         f"last step {_num(s['reward_mean_last'], '{:.4f}')}",
         "GPU time   " + "   ".join(f"{r} {100 * u[r]:.1f}%" for r in ALLOC_ROLES),

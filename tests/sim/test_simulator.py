@@ -117,7 +117,13 @@ def test_replica_advances_by_the_throughput_model() -> None:
         weight_update_s=0.2,
     )
     train = TrainingCosts(
-        gpus=1, step_s_per_token=0.0, shift_up_s={}, shift_down_s={}, publish_s=0.0
+        gpus=1,
+        flops_per_token=0.0,
+        attn_flops_per_token2=0.0,
+        flops_per_s=1.0,
+        shift_up_s={},
+        shift_down_s={},
+        publish_s=0.0,
     )
     sim = SimCluster(inference={"rollout": costs, "reward": costs}, training=train)
     sim.shift_up("rollout:0", 0)
@@ -148,7 +154,8 @@ def test_catalog_from_first_principles() -> None:
     assert moe.params == pytest.approx(30.5e9, rel=0.02)
     assert moe.active_params == pytest.approx(3.3e9, rel=0.03)
     c = inference_costs(q7, HARDWARE["h20"], 1)
-    assert c.model.B == pytest.approx(q7.params * 2 / (4.0e12 * 0.8))
+    # dense weights streamed at the calibrated fraction of HBM bandwidth
+    assert c.decode.B(1) == pytest.approx(q7.params * 2 / (4.0e12 * 0.34))
     assert 5e5 < c.kv_capacity_tokens < 2e6
     with pytest.raises(Exception, match="does not fit"):
         inference_costs(MODELS["qwen2.5-72b"], HARDWARE["h20"], 1)
