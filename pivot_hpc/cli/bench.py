@@ -17,6 +17,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "migration": ("pivot_hpc.bench.migration_bench", "shift-up / shift-down migration time"),
     "engine": ("pivot_hpc.bench.engine_bench", "hf engine tokens/s vs transformers generate"),
     "gps": ("pivot_hpc.bench.gps_bench", "GPS Read throughput vs memcpy, plan time (mpirun)"),
+    "sim": ("pivot_hpc.bench.sim_bench", "simulator wall time at scale (paper group 4, N GPUs)"),
 }
 
 

@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. planner.horizon_s=120")
 
 
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def run(args: argparse.Namespace) -> int:
     from pivot_hpc.sim.run import scale_to, simulate
 
@@ -58,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{summary['mode']}{'/' + summary['strategy'] if summary['strategy'] else ''} on "
             f"{summary['gpus']} GPUs: {summary['steps']} steps in {summary['sim_time_s']:.0f} "
-            f"simulated s, {summary['tokens_per_s']:.0f} tokens/s, {summary['shifts']} shifts "
+            f"simulated s, {summary['tokens_per_s']:.0f} tokens/s end to end, "
+            f"{_num(summary['tokens_per_s_steady'])} steady, "
+            f"{_num(summary['tokens_per_s_bound'])} work-conserving bound, {summary['shifts']} shifts "
             f"({summary['wall_s']:.1f} s wall); telemetry in {args.out}/telemetry/"
         )
     return 0

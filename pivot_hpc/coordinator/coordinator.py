@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pivot_hpc.coordinator.cluster import Cluster
 from pivot_hpc.coordinator.events import (
     SequenceFinished,
-    SequencePreempted,
     ShiftDone,
     TrainingDone,
     WeightsUpdated,
@@ -78,7 +77,9 @@ class Stats:
     shifts_down: int = 0
     plans: int = 0
     migrated: int = 0
-    preempted: int = 0  # sequences the engines retracted for KV space (and re-queued)
+    events: int = 0  # cluster events handled
+    # (step, start, end, rollout tokens, reward tokens, trained tokens) per trained step
+    steps: list[tuple[int, float, float, int, int, int]] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # per step mean reward
 
@@ -154,6 +155,7 @@ class Coordinator:
                 self.stopped = True
                 break
             events = self.cluster.poll(until=next_tick)
+            self.stats.events += len(events)
             before = self.rl.version
             for ev in events:
                 self.handle(ev)
@@ -181,8 +183,6 @@ class Coordinator:
     def handle(self, ev) -> None:
         if isinstance(ev, SequenceFinished):
             self._on_finished(ev)
-        elif isinstance(ev, SequencePreempted):
-            self._on_preempted(ev)
         elif isinstance(ev, ShiftDone):
             self._on_shift_done(ev)
         elif isinstance(ev, TrainingDone):
@@ -269,20 +269,6 @@ class Coordinator:
             log.reward_tokens += ev.generated
         self.dispatch(ev.role)
         self.maybe_train()
-
-    def _on_preempted(self, ev: SequencePreempted) -> None:
-        sched = self.schedulers[ev.role]
-        if sched.location(ev.seq_id) != ev.rid:
-            raise ConservationError(
-                f"{ev.role} sequence {ev.seq_id} preempted on {ev.rid} but the scheduler has "
-                f"it on {sched.location(ev.seq_id)}"
-            )
-        self.stats.preempted += 1
-        sched.requeue(ev.seq_id, ev.length)
-        # The engine is full now: the scheduler must see today's lengths before it
-        # places anything there again, or the sequence would bounce straight back.
-        sched.set_lengths(self.cluster.lengths(ev.role))
-        self.dispatch(ev.role)
 
     # ------------------------------------------------------------ shifts
     def gpus_free(self, rid: str) -> bool:
@@ -484,6 +470,9 @@ class Coordinator:
         self.first_step_start = min(self.first_step_start, log.start)
         self.last_step_end = ev.t
         train_tokens = sum(s.prompt_len + s.response_len for s in batch)
+        self.stats.steps.append(
+            (ev.step, log.start, ev.t, log.rollout_tokens, log.reward_tokens, train_tokens)
+        )
         self.telemetry.step(
             ev.step,
             log.start,

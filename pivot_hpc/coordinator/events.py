@@ -29,19 +29,6 @@ class SequenceFinished:
 
 
 @dataclass(frozen=True)
-class SequencePreempted:
-    """The engine of replica `rid` ran out of KV cache as its sequences grew and retracted
-    `seq_id`, which holds `length` tokens of context (its generated tokens are kept). It
-    waits to be dispatched again (SGLang's retract-decode; the simulator models it)."""
-
-    t: float
-    role: str
-    rid: str
-    seq_id: int
-    length: int
-
-
-@dataclass(frozen=True)
 class ShiftDone:
     """A replica (or the training set, rid "training") finished shifting up or down."""
 
@@ -67,4 +54,4 @@ class WeightsUpdated:
     version: int
 
 
-Event = SequenceFinished | SequencePreempted | ShiftDone | TrainingDone | WeightsUpdated
+Event = SequenceFinished | ShiftDone | TrainingDone | WeightsUpdated

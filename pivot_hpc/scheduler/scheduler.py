@@ -18,7 +18,6 @@ copy it cheaply and the compiled loops in `kernels.py` can run over it.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,12 +29,29 @@ from pivot_hpc.errors import PivotError
 from pivot_hpc.scheduler import kernels
 from pivot_hpc.scheduler.throughput import ReplicaModel
 
-PriorityFn = Callable[["SeqState"], tuple]
+# Queue order: one int64 key per sequence, ascending (lengths < 2^31, ids < 2^32), computed
+# from the length and id arrays in bulk.
+_ID_BITS = 32
 
-PRIORITIES: dict[str, PriorityFn] = {
-    "seq_id": lambda s: (s.seq_id,),
-    "longest_first": lambda s: (-s.length, s.seq_id),
-    "shortest_first": lambda s: (s.length, s.seq_id),
+
+def _key_seq_id(length: np.ndarray, seq_id: np.ndarray) -> np.ndarray:
+    return seq_id
+
+
+def _key_longest(length: np.ndarray, seq_id: np.ndarray) -> np.ndarray:
+    return -(length << _ID_BITS) + seq_id
+
+
+def _key_shortest(length: np.ndarray, seq_id: np.ndarray) -> np.ndarray:
+    return (length << _ID_BITS) + seq_id
+
+
+PriorityKey = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+PRIORITIES: dict[str, PriorityKey] = {
+    "seq_id": _key_seq_id,  # ascending sequence id (the paper's)
+    "longest_first": _key_longest,  # longest context first, then id
+    "shortest_first": _key_shortest,  # shortest context first, then id
 }
 
 QUEUED = -1
@@ -105,17 +121,15 @@ class Scheduler:
         self,
         role: str,
         *,
-        priority: str | PriorityFn = "seq_id",
+        priority: str = "seq_id",
         migration: bool = True,
     ) -> None:
         self.role = role
-        if isinstance(priority, str):
-            if priority not in PRIORITIES:
-                raise SchedulerError(
-                    f"scheduler priority {priority!r} is unknown; valid: {', '.join(PRIORITIES)}"
-                )
-            priority = PRIORITIES[priority]
-        self.priority_fn: PriorityFn = priority
+        if priority not in PRIORITIES:
+            raise SchedulerError(
+                f"scheduler priority {priority!r} is unknown; valid: {', '.join(PRIORITIES)}"
+            )
+        self.priority_key: PriorityKey = PRIORITIES[priority]
         self.migration = migration
         # replicas, by position p (never reused: p is also the tie-breaking order)
         self.replicas: dict[str, int] = {}  # active replica id -> p
@@ -138,8 +152,12 @@ class Scheduler:
         self.seq_id = np.zeros(0, np.int64)
         self._seqs: list[SeqState | None] = []
         self._q_of: dict[int, int] = {}
-        self._queue: list[tuple[tuple, int]] = []  # sorted (priority key, q)
-        self._order: np.ndarray | None = None  # cached q's of the queue, in order
+        # The waiting queue: positions q in dispatch order and their keys (ascending).
+        # Both arrays are replaced, never written in place, so clones may share them.
+        self._qpos = np.zeros(0, np.int64)
+        self._qkey = np.zeros(0, np.int64)
+        self._shared = False  # a clone sharing _seqs, _q_of, seq_len, seq_id (copy on write)
+        self._pending: list[int] = []  # submitted, not yet merged into the queue arrays
         self._n_running = 0
 
     # ------------------------------------------------------------------ state
@@ -149,12 +167,12 @@ class Scheduler:
 
     @property
     def n_queued(self) -> int:
-        return len(self._queue)
+        return len(self._qpos) + len(self._pending)
 
     @property
     def n_seq(self) -> int:
         """N_seq of the role for Eq. 1: running plus waiting sequences."""
-        return self._n_running + len(self._queue)
+        return self._n_running + len(self._qpos) + len(self._pending)
 
     def throughput(self) -> float:
         """Aggregate estimated throughput of the role (sum of replica T_i)."""
@@ -190,7 +208,8 @@ class Scheduler:
 
     def queued(self) -> list[SeqState]:
         """Waiting sequences in dispatch order."""
-        return [self._synced(q) for _, q in self._queue]
+        self._flush()
+        return [self._synced(int(q)) for q in self._qpos]
 
     def running_on(self, rid: str) -> list[SeqState]:
         p = self._pos(rid)
@@ -268,42 +287,67 @@ class Scheduler:
             raise SchedulerError(f"{self.role}: sequence {seq.seq_id} is already scheduled")
         if seq.length < 0:
             raise SchedulerError(f"{self.role}: sequence {seq.seq_id} has negative length")
+        self._own()
         q = len(self._seqs)
         for name in self._SEQ_ARRAYS:
             setattr(self, name, _grow(getattr(self, name), q + 1, GONE))
         self._seqs.append(seq)
         self._q_of[seq.seq_id] = q
         self.seq_len[q], self.seq_id[q] = seq.length, seq.seq_id
-        self._enqueue(q)
+        self.seq_rep[q] = QUEUED
+        self._pending.append(q)  # merged in bulk before the queue is next read
+
+    def _keys(self, qs: np.ndarray) -> np.ndarray:
+        return self.priority_key(self.seq_len[qs], self.seq_id[qs])
+
+    def _flush(self) -> None:
+        if self._pending:
+            qs = np.array(self._pending, np.int64)
+            self._pending = []
+            self._enqueue_many(qs)
+
+    def _enqueue_many(self, qs: np.ndarray) -> None:
+        """Put positions `qs` in the queue at their priority (merged, O(queue + k log k))."""
+        self._flush()
+        if not len(qs):
+            return
+        self.seq_rep[qs] = QUEUED
+        keys = self._keys(qs)
+        order = np.argsort(keys, kind="stable")
+        keys, qs = keys[order], qs[order]
+        at = np.searchsorted(self._qkey, keys, side="right")
+        self._qkey = np.insert(self._qkey, at, keys)
+        self._qpos = np.insert(self._qpos, at, qs)
 
     def _enqueue(self, q: int) -> None:
-        self.seq_rep[q] = QUEUED
-        bisect.insort(self._queue, (self.priority_fn(self._synced(q)), q))
-        self._order = None
+        self._enqueue_many(np.array([q], np.int64))
 
     def _dequeue(self, q: int) -> None:
-        key = (self.priority_fn(self._synced(q)), q)
-        i = bisect.bisect_left(self._queue, key)
-        if i == len(self._queue) or self._queue[i] != key:  # key changed under us: search
-            i = next(j for j, (_, qq) in enumerate(self._queue) if qq == q)
-        del self._queue[i]
-        self._order = None
+        self._flush()
+        (i,) = np.flatnonzero(self._qpos == q)
+        self._qkey = np.delete(self._qkey, i)
+        self._qpos = np.delete(self._qpos, i)
 
-    def _queue_order(self) -> np.ndarray:
-        if self._order is None:
-            self._order = np.fromiter((q for _, q in self._queue), np.int64, len(self._queue))
-        return self._order
+    def _own(self) -> None:
+        """Copy what a clone shares before changing it (submit, lengths, finish)."""
+        if self._shared:
+            self._seqs = list(self._seqs)
+            self._q_of = dict(self._q_of)
+            self.seq_len = self.seq_len.copy()
+            self.seq_id = self.seq_id.copy()
+            self._shared = False
 
     def set_lengths(self, lengths: dict[int, int]) -> None:
         """Bulk update of context lengths (monitor data: tokens generated since dispatch)."""
         if not lengths:
             return
+        self._own()
         try:
-            qs = np.fromiter((self._q_of[s] for s in lengths), np.int64, len(lengths))
+            qs = np.fromiter(map(self._q_of.__getitem__, lengths), np.int64, len(lengths))
         except KeyError as exc:
             raise SchedulerError(f"{self.role}: sequence {exc.args[0]} is not scheduled") from None
         new = np.fromiter(lengths.values(), np.int64, len(lengths))
-        if self._queue and (self.seq_rep[qs] == QUEUED).any():
+        if self.n_queued and (self.seq_rep[qs] == QUEUED).any():
             for seq_id, length in lengths.items():  # queued: priority keys may change
                 self.grow(seq_id, length)
             return
@@ -329,6 +373,7 @@ class Scheduler:
 
     def grow(self, seq_id: int, length: int) -> None:
         """A running or queued sequence now holds `length` tokens of context."""
+        self._own()
         q = self._q_of.get(seq_id)
         if q is None:
             raise SchedulerError(f"{self.role}: sequence {seq_id} is not scheduled")
@@ -343,6 +388,7 @@ class Scheduler:
             self._enqueue(q)
 
     def _release(self, q: int) -> SeqState:
+        self._own()
         seq = self._synced(q)
         self.seq_rep[q] = GONE
         self._seqs[q] = None
@@ -363,21 +409,6 @@ class Scheduler:
         self._n_running -= 1
         return self._release(q)
 
-    def requeue(self, seq_id: int, length: int) -> None:
-        """The engine preempted a running sequence (KV cache full) holding `length` tokens:
-        it waits in the queue again with its progress, as SGLang re-queues a retracted
-        request. Dispatch places it again."""
-        q = self._q_of.get(seq_id)
-        if q is None or self.seq_rep[q] < 0:
-            raise SchedulerError(f"{self.role}: sequence {seq_id} is not running")
-        p = int(self.seq_rep[q])
-        self.n[p] -= 1
-        self.tok[p] -= int(self.seq_len[q])
-        self._refresh(p)
-        self._n_running -= 1
-        self.seq_len[q] = length
-        self._enqueue(q)
-
     def cancel(self, seq_id: int) -> SeqState:
         """Drop a waiting sequence from the queue."""
         q = self._q_of.get(seq_id)
@@ -389,14 +420,15 @@ class Scheduler:
     def _compact(self) -> None:
         """Drop positions of finished sequences (keeps arrays proportional to live work)."""
         live = [q for q in range(len(self._seqs)) if self._seqs[q] is not None]
-        remap = {q: i for i, q in enumerate(live)}
+        self._flush()
         idx = np.asarray(live, np.int64)
+        remap = np.full(len(self._seqs), -1, np.int64)
+        remap[idx] = np.arange(len(idx))
         for name in self._SEQ_ARRAYS:
             setattr(self, name, getattr(self, name)[idx].copy())
         self._seqs = [self._seqs[q] for q in live]
         self._q_of = {s.seq_id: i for i, s in enumerate(self._seqs)}
-        self._queue = [(k, remap[q]) for k, q in self._queue]
-        self._order = None
+        self._qpos = remap[self._qpos]
 
     # ----------------------------------------------- Alg. 2: Abort, Dispatch
     def abort(self, rid: str, which: str = "all") -> list[int]:
@@ -416,15 +448,8 @@ class Scheduler:
         np.subtract.at(self.tok, rep[qs], self.seq_len[qs])
         for p in ps:
             self._refresh(p)
-        self.seq_rep[qs] = QUEUED
         self._n_running -= len(qs)
-        ql = qs.tolist()
-        if self.priority_fn is PRIORITIES["seq_id"]:  # the common case, in bulk
-            self._queue.extend(zip([(i,) for i in self.seq_id[qs].tolist()], ql, strict=True))
-        else:
-            self._queue.extend((self.priority_fn(self._synced(q)), q) for q in ql)
-        self._queue.sort()  # timsort merges the two sorted runs in linear time
-        self._order = None
+        self._enqueue_many(qs)
         return self.seq_id[qs].tolist()
 
     def _candidates(self, targets: Iterable[str] | None) -> np.ndarray:
@@ -437,9 +462,10 @@ class Scheduler:
         self, targets: Iterable[str] | None = None, *, record: bool = True
     ) -> list[tuple[int, str]]:
         """Dispatch waiting sequences in priority order to the max-ΔT replica with room."""
-        if not self._queue:
+        self._flush()
+        if not len(self._qpos):
             return []
-        order = self._queue_order()
+        order = self._qpos
         m = len(self._rid_of)
         placed = kernels.dispatch_order(
             order,
@@ -463,8 +489,8 @@ class Scheduler:
         if record:
             rep, ids, rid_of = self.seq_rep, self.seq_id, self._rid_of
             out = [(int(ids[q]), rid_of[rep[q]]) for q in order[:placed]]
-        del self._queue[:placed]
-        self._order = order[placed:]
+        self._qpos = order[placed:]
+        self._qkey = self._qkey[placed:]
         self._n_running += placed
         return out
 
@@ -506,7 +532,7 @@ class Scheduler:
         res.dispatched = self.dispatch(added, record=record)
         t1 = time.perf_counter()
         res.dispatch_s = t1 - t0
-        if self.migration and added and not self._queue:
+        if self.migration and added and not self.n_queued:
             self._migrate(res, record)
         res.migrate_s = time.perf_counter() - t1
         res.throughput_after = self.throughput()
@@ -566,17 +592,22 @@ class Scheduler:
     # ---------------------------------------------------------------- copy
     def clone(self) -> Scheduler:
         """An independent copy of the state (payloads shared) for planner simulation."""
+        self._flush()
         c = Scheduler.__new__(Scheduler)
-        c.role, c.priority_fn, c.migration = self.role, self.priority_fn, self.migration
+        c.role, c.priority_key, c.migration = self.role, self.priority_key, self.migration
         c.replicas = dict(self.replicas)
         c._rid_of = list(self._rid_of)
         c._model_of = list(self._model_of)
-        for name in self._REPLICA_ARRAYS + self._SEQ_ARRAYS:
+        for name in self._REPLICA_ARRAYS:
             setattr(c, name, getattr(self, name).copy())
-        c._seqs = list(self._seqs)
-        c._q_of = dict(self._q_of)
-        c._queue = list(self._queue)
-        c._order = self._order  # immutable once built: dispatch slices, never writes
+        # Shared until either side submits, finishes or changes lengths (`_own`): the
+        # planner's simulations only move sequences between the queue and replicas.
+        c.seq_rep = self.seq_rep.copy()
+        c.seq_len, c.seq_id = self.seq_len, self.seq_id
+        c._seqs, c._q_of = self._seqs, self._q_of
+        c._shared = self._shared = True
+        c._qpos, c._qkey = self._qpos, self._qkey
+        c._pending = []
         c._n_running = self._n_running
         return c
 
@@ -595,7 +626,9 @@ class Scheduler:
         inactive = [p for p in range(len(self._rid_of)) if not self.active[p]]
         assert not np.isin(rep, inactive).any(), "a sequence sits on an inactive replica"
         assert self._n_running == int((rep >= 0).sum())
-        assert sorted(q for _, q in self._queue) == [int(q) for q in np.flatnonzero(rep == QUEUED)]
-        assert self._queue == sorted(self._queue)
+        self._flush()
+        assert sorted(self._qpos.tolist()) == [int(q) for q in np.flatnonzero(rep == QUEUED)]
+        assert (np.diff(self._qkey) >= 0).all()
+        assert (self._qkey == self._keys(self._qpos)).all()
         for seq_id, q in self._q_of.items():
             assert self._seqs[q].seq_id == seq_id and self.seq_id[q] == seq_id

@@ -9,8 +9,12 @@ jumps straight to its next finish. Admitting a sequence costs a (re-)prefill of 
 context, during which the replica does not decode. The scheduler admits sequences within
 KV capacity and the running-request cap; as admitted sequences grow, a full KV cache makes
 the engine retract sequences (fewest generated tokens first, as SGLang's retract-decode
-does) until every remaining one has room for RETRACT_HEADROOM more tokens; the retracted
-ones keep their tokens and go back to the scheduler's queue (`SequencePreempted`).
+does) until every remaining one has room for RETRACT_HEADROOM more tokens. As in SGLang,
+retracted sequences keep their tokens and wait in the engine's own queue (they stay
+assigned to the replica, so the scheduler, which counts their length there, places
+nothing new on a full engine); while any wait, new arrivals queue behind them. They are
+re-admitted, with a re-prefill, when finishes free room for them and the headroom of
+everything running. A shift-down or migration aborts waiting sequences like running ones.
 
 Events are ordered by (time, kind, id) with lazy invalidation (a replica's pending finish
 event is dropped if its membership changed since), so a run is deterministic for a seed.
@@ -23,13 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pivot_hpc.coordinator.events import (
-    SequenceFinished,
-    SequencePreempted,
-    ShiftDone,
-    TrainingDone,
-    WeightsUpdated,
-)
+from pivot_hpc.coordinator.events import SequenceFinished, ShiftDone, TrainingDone, WeightsUpdated
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.planner.snapshot import TRAINING, role_of
 from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
@@ -61,6 +59,8 @@ class _Replica:
     t_last: float = 0.0
     busy_until: float = 0.0  # prefill or weight load: no decoding before this
     version: int = 0  # event stamp for lazy invalidation
+    waiting: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    # ^ engine queue: seq id -> (context, generated, target), retracted or arrived while full
     fixed_n: int = -1  # membership size `fixed` was computed for
     fixed: float = 0.0  # F(n): the step time at zero tokens held
 
@@ -118,6 +118,7 @@ class SimCluster:
         self._progress: dict[tuple[str, int], float] = {}  # generated tokens kept by aborts
         self._targets: dict[tuple[str, int], tuple[float, object]] = {}
         self._tokens = {"rollout": 0.0, "reward": 0.0}
+        self.preempted = 0  # sequences the engines retracted for KV space
         self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
 
     # ----------------------------------------------------------- engine
@@ -167,8 +168,10 @@ class SimCluster:
             phases = dict(self.training.shift_down_s)
         else:
             r = self._replicas.pop(rid)
-            if r.seqs:
-                raise RuntimeError(f"{rid} shifted down with {len(r.seqs)} running sequences")
+            if r.seqs or r.waiting:
+                raise RuntimeError(
+                    f"{rid} shifted down with {len(r.seqs) + len(r.waiting)} sequences left"
+                )
             r.version += 1
             phases = dict(r.costs.shift_down_s)
         self._push(self.t + sum(phases.values()), SHIFT, rid, 0, ("down", phases))
@@ -180,43 +183,68 @@ class SimCluster:
         target = sample.payload.response_len if role == "rollout" else sample.payload.judgement_len
         done = self._progress.pop(key, 0.0)
         context = sample.prompt_len + (sample.response_len if role == "reward" else 0) + done
-        seq = _Seq(context, done, r.iters, r.iters + max(target - done, 1e-9))
-        r.seqs[sample.sample_id] = seq
-        heapq.heappush(r.finishing, (seq.finish_at, sample.sample_id))
-        r.tok += context
-        r.busy_until = max(r.busy_until, self.t) + self.prefill_time(role, int(context))
         self._targets[key] = (target, sample.payload)
+        if r.waiting:  # the engine is full: arrivals queue behind the retracted sequences
+            r.waiting[sample.sample_id] = (context, done, target)
+        else:
+            self._admit(r, sample.sample_id, context, done, target)
         self._schedule(r)
+
+    def _admit(self, r: _Replica, sid: int, context: float, done: float, target: float) -> None:
+        seq = _Seq(context, done, r.iters, r.iters + max(target - done, 1e-9))
+        r.seqs[sid] = seq
+        heapq.heappush(r.finishing, (seq.finish_at, sid))
+        r.tok += context
+        r.busy_until = max(r.busy_until, self.t) + self.prefill_time(r.role, int(context))
+
+    def _resume(self, r: _Replica) -> None:
+        """Re-admit waiting sequences, oldest first, while they and the running ones fit."""
+        cap = r.costs.kv_capacity_tokens
+        while r.waiting:
+            sid, (context, done, target) = next(iter(r.waiting.items()))
+            room = cap - r.tok - RETRACT_HEADROOM * (len(r.seqs) + 1)
+            if r.seqs and context > room:
+                return
+            del r.waiting[sid]
+            self._admit(r, sid, context, done, target)
 
     def abort(self, rid: str, seq_id: int) -> int:
         r = self._replicas[rid]
         self._advance(r)
+        if seq_id in r.waiting:
+            context, done, _ = r.waiting.pop(seq_id)
+            self._progress[(r.role, seq_id)] = done
+            self._resume(r)
+            self._schedule(r)
+            return round(context)
         s = r.seqs.pop(seq_id)
         length = r.length(s)
         r.tok -= length
         self._progress[(r.role, seq_id)] = s.generated0 + (r.iters - s.base)
+        self._resume(r)
         self._schedule(r)
         return round(length)
 
-    def _retract(self, r: _Replica) -> list[SequencePreempted]:
+    def _retract(self, r: _Replica) -> None:
         """KV cache full: retract sequences with the fewest generated tokens (ties: the
-        longest context) until the rest have RETRACT_HEADROOM tokens of room each."""
+        longest context) into the engine queue until the rest have RETRACT_HEADROOM tokens
+        of room each; they keep their tokens."""
         order = sorted(
             r.seqs.items(),
             key=lambda kv: (kv[1].generated0 + r.iters - kv[1].base, -r.length(kv[1]), kv[0]),
         )
-        out = []
         cap = r.costs.kv_capacity_tokens
+        retracted = {}
         for sid, s in order:
             if len(r.seqs) <= 1 or r.tok + RETRACT_HEADROOM * len(r.seqs) <= cap:
                 break
             del r.seqs[sid]
             length = r.length(s)
             r.tok -= length
-            self._progress[(r.role, sid)] = s.generated0 + (r.iters - s.base)
-            self._targets.pop((r.role, sid))
-            out.append(SequencePreempted(self.t, r.role, r.rid, sid, round(length)))
-        return out
+            target = self._targets[(r.role, sid)][0]
+            retracted[sid] = (length, s.generated0 + (r.iters - s.base), target)
+            self.preempted += 1
+        r.waiting = {**retracted, **r.waiting}  # retracted first: they are the oldest work
 
     def take_finished(self, role: str, seq_id: int):
         raise RuntimeError("the simulator aborts synchronously; nothing is held back")
@@ -226,8 +254,12 @@ class SimCluster:
         for r in self._replicas.values():
             if r.role == role:
                 self._advance(r)
-                it = r.iters
-                out.update((sid, int(s.length0 + (it - s.base) + 0.5)) for sid, s in r.seqs.items())
+                it = r.iters + 0.5  # rounded to the nearest token
+                seqs = r.seqs
+                out.update(
+                    zip(seqs, [int(s.length0 - s.base + it) for s in seqs.values()], strict=True)
+                )
+                out.update((sid, int(w[0] + 0.5)) for sid, w in r.waiting.items())
         return out
 
     def update_weights(self, rid: str, version: int) -> None:
@@ -296,7 +328,9 @@ class SimCluster:
                     )
                 )
             if len(r.seqs) > 1 and r.tok >= r.costs.kv_capacity_tokens - 1e-6:
-                out.extend(self._retract(r))
+                self._retract(r)
+            elif out:
+                self._resume(r)
             self._schedule(r)
             return out
         if kind == SHIFT:

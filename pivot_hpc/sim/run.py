@@ -32,6 +32,7 @@ from pivot_hpc.sim.catalog import (
 )
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
+from pivot_hpc.telemetry.summary import steady_state, step_table, work_conserving_bound
 
 
 def role_costs(cfg: Config) -> dict[str, InferenceCosts]:
@@ -179,6 +180,11 @@ def scale_to(cfg: Config, gpus: int) -> Config:
 
 def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> dict[str, Any]:
     """Run the simulation to completion; write telemetry under `out`; return a summary."""
+    if out is not None and any((Path(out) / "telemetry").glob("alloc-*.h5")):
+        raise ConfigError(
+            f"--out {out}: already holds a run's telemetry (a report would mix the two runs); "
+            "choose a new directory or delete it"
+        )
     coord, cluster, meta = build(cfg)
     writer = None
     if out is not None:
@@ -202,6 +208,7 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
     wall = time.perf_counter() - wall
     logs = coord.stats
     tokens = coord.tokens_total
+    steps = step_table(logs.steps)
     span = coord.last_step_end - coord.first_step_start
     return {
         "mode": meta["mode"],
@@ -211,9 +218,13 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "sim_time_s": round(cluster.now(), 3),
         "tokens": int(tokens),
         "tokens_per_s": tokens / span if span > 0 else 0.0,
+        "tokens_per_s_steady": steady_state(steps, meta["staleness"]),
+        "tokens_per_s_bound": work_conserving_bound(steps, meta.get, meta["gpus"]),
         "shifts": logs.shifts_up,
         "plans": logs.plans,
         "migrated_sequences": logs.migrated,
+        "preempted_sequences": cluster.preempted,
+        "events": logs.events,
         "staleness_max": max(logs.staleness, default=0),
         "reward_mean_first": logs.rewards[0] if logs.rewards else None,
         "reward_mean_last": logs.rewards[-1] if logs.rewards else None,

@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.sim.config import WorkloadConfig
 
@@ -27,6 +25,37 @@ class SimPayload:
     genrm_score: float
 
 
+_MASK = (1 << 64) - 1
+
+
+def _splitmix(x: int) -> int:
+    """SplitMix64: a well-mixed 64-bit hash (fast in pure Python, no generator objects)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class _Stream:
+    """Uniform and normal draws from a counter-based hash of (seed, stream, index)."""
+
+    __slots__ = ("key", "n")
+
+    def __init__(self, seed: int, stream: int, index: int) -> None:
+        self.key = _splitmix(_splitmix(_splitmix(seed & _MASK) ^ stream) ^ index)
+        self.n = 0
+
+    def random(self) -> float:
+        self.n += 1
+        return ((_splitmix(self.key ^ (self.n * 0xD1B54A32D192ED03 & _MASK)) >> 11) + 0.5) / (
+            1 << 53
+        )
+
+    def normal(self) -> float:
+        u, v = self.random(), self.random()
+        return math.sqrt(-2.0 * math.log(u)) * math.cos(2.0 * math.pi * v)
+
+
 class SimWorkload:
     """A `SampleSource`: deterministic for (seed, sample id) whatever the release order."""
 
@@ -34,20 +63,22 @@ class SimWorkload:
         self.cfg = cfg
         self.seed = seed
 
-    def _lognormal(self, rng: np.random.Generator, median: float, sigma: float, cap: int) -> int:
-        return int(min(cap, max(1, round(rng.lognormal(math.log(median), sigma)))))
+    @staticmethod
+    def _lognormal(rng: _Stream, median: float, sigma: float, cap: int) -> int:
+        return int(min(cap, max(1, round(median * math.exp(sigma * rng.normal())))))
 
     def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample:
         c = self.cfg
-        prompt_rng = np.random.default_rng((self.seed, 0, prompt_index))
-        prompt_len = int(prompt_rng.integers(c.prompt_len_min, c.prompt_len_max + 1))
-        difficulty = prompt_rng.uniform(-1.0, 1.0)
-        rng = np.random.default_rng((self.seed, 1, sample_id))
+        prompt_rng = _Stream(self.seed, 0, prompt_index)
+        span = c.prompt_len_max - c.prompt_len_min + 1
+        prompt_len = c.prompt_len_min + min(span - 1, int(prompt_rng.random() * span))
+        difficulty = 2.0 * prompt_rng.random() - 1.0
+        rng = _Stream(self.seed, 1, sample_id)
         p = c.accuracy_start + (c.accuracy_end - c.accuracy_start) * (
             1.0 - math.exp(-step / c.accuracy_steps)
         )
         p = min(1.0, max(0.0, p + 0.2 * difficulty))
-        correct = bool(rng.random() < p)
+        correct = rng.random() < p
         agree = rng.random() < 0.8
         response_median = c.response_median * (1.0 + c.response_growth_per_step * step)
         response_len = self._lognormal(rng, response_median, c.response_sigma, c.response_cap)

@@ -59,6 +59,21 @@ def end_to_end(steps: np.ndarray) -> dict[str, float]:
     }
 
 
+STEP_FIELDS = [
+    ("step", "i8"),
+    ("start", "f8"),
+    ("end", "f8"),
+    ("rollout_tokens", "i8"),
+    ("reward_tokens", "i8"),
+    ("train_tokens", "i8"),
+]
+
+
+def step_table(rows: list[tuple[int, float, float, int, int, int]]) -> np.ndarray:
+    """(step, start, end, rollout, reward, train tokens) rows as a `steps`-like array."""
+    return np.array(rows, dtype=STEP_FIELDS)
+
+
 def steady_state(steps: np.ndarray, staleness: int) -> float | None:
     """Tokens/s after the pipeline has filled (see the module docstring)."""
     if len(steps) < staleness + 2:

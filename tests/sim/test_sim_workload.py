@@ -1,0 +1,185 @@
+"""The simulated workload and engines: preemption when growing sequences fill the KV cache,
+the running-request cap, the response/judgement length model, steady-state and bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pivot_hpc.config import load_config
+from pivot_hpc.coordinator.events import SequenceFinished
+from pivot_hpc.sim.config import WorkloadConfig
+from pivot_hpc.sim.run import build, simulate
+from pivot_hpc.sim.workload import SimWorkload
+from pivot_hpc.telemetry.summary import steady_state, step_table, work_conserving_bound
+
+SMALL = [
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=8",
+    "rollout.tp=1",
+    "reward.tp=1",
+    "training.num_gpus=2",
+    "loop.steps=2",
+    "loop.batch_prompts=8",
+    "loop.samples_per_prompt=4",
+    "loop.monitor_interval_s=2.0",
+    "planner.interval_s=2.0",
+    "sim.policy_model=qwen2.5-1.5b",
+    "sim.reward_model=glm-z1-9b",
+    "sim.workload.prompt_len_max=400",
+    "sim.workload.response_median=1500",
+    "sim.workload.response_cap=3000",
+    "sim.workload.judgement_base=200",
+    "sim.workload.judgement_per_response_token=0.0",
+    "sim.workload.judgement_cap=400",
+]
+
+
+def _profile(tmp_path: Path, kv: int) -> str:
+    """A `pivot-hpc profile`-style file: the 1.5B model's costs with a tiny KV cache."""
+    p = tmp_path / "small-kv.yaml"
+    p.write_text(
+        f"throughput: {{A: 1.0e-7, B: 2.0e-3, C: 1.0e-4, D: 1.0e-3}}\nkv_capacity_tokens: {kv}\n",
+        encoding="utf-8",
+    )
+    return str(p)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "pivot"])
+def test_kv_preemption_under_growing_sequences_loses_no_tokens(tmp_path: Path, mode: str) -> None:
+    cfg = load_config(
+        None, [*SMALL, f"deployment.mode={mode}", f"sim.rollout_profile={_profile(tmp_path, 6000)}"]
+    )
+    coord, cluster, _ = build(cfg)
+    assert cluster.inference["rollout"].kv_capacity_tokens == 6000
+    finished: dict[tuple[str, int], int] = {}
+    orig = coord.handle
+
+    def spy(ev):
+        if isinstance(ev, SequenceFinished):
+            target = ev.result.response_len if ev.role == "rollout" else ev.result.judgement_len
+            assert ev.generated == target  # every generated token kept across retractions
+            assert (ev.role, ev.seq_id) not in finished
+            finished[(ev.role, ev.seq_id)] = ev.generated
+        orig(ev)
+
+    coord.handle = spy
+    coord.run()
+    assert cluster.preempted > 0, "the workload outgrows a 6000-token cache: it must retract"
+    assert len(finished) == 2 * 2 * 8 * 4  # both roles, every sample, exactly once
+    assert coord.rl.version == 2 and not coord.samples
+    for role in ("rollout", "reward"):
+        coord.schedulers[role].check_invariants()
+
+
+def test_running_request_cap_is_respected() -> None:
+    cfg = load_config(None, [*SMALL, "deployment.mode=disaggregated", "sim.max_running_requests=3"])
+    coord, _cluster, _ = build(cfg)
+    seen = []
+    orig = coord.dispatch
+
+    def spy(role: str) -> None:
+        orig(role)
+        for v in coord.schedulers[role].replica_views():
+            seen.append(v.n_seq)
+            assert v.n_seq <= 3
+
+    coord.dispatch = spy
+    coord.run()
+    assert max(seen) == 3
+
+
+def test_judgement_length_grows_with_the_response_and_responses_grow_by_step() -> None:
+    cfg = WorkloadConfig(
+        response_median=1000,
+        response_sigma=0.8,
+        response_cap=15000,
+        response_growth_per_step=0.05,
+        judgement_base=500,
+        judgement_per_response_token=1.0,
+        judgement_sigma=0.3,
+        judgement_cap=20000,
+    )
+    w = SimWorkload(cfg, seed=0)
+    early = [w.make(i, 0, i // 8, i % 8).payload for i in range(4000)]
+    late = [w.make(i, 20, i // 8, i % 8).payload for i in range(4000, 8000)]
+    r = np.array([p.response_len for p in early])
+    j = np.array([p.judgement_len for p in early])
+    assert np.corrcoef(np.log(r), np.log(j))[0, 1] > 0.5
+    assert np.median(r) == pytest.approx(1000, rel=0.1)
+    assert np.median([p.response_len for p in late]) == pytest.approx(2000, rel=0.1)
+    short, long_ = j[r < 500], j[r > 3000]
+    assert np.median(long_) > 3 * np.median(short)
+
+
+def test_steady_state_window_on_a_hand_built_trace() -> None:
+    # staleness 2: steps 0-2 fill the pipeline; the window is end(step 2) -> end(step 4)
+    rows = [
+        (0, 0.0, 100.0, 1000, 500, 900),
+        (1, 0.0, 150.0, 1000, 500, 900),
+        (2, 10.0, 200.0, 1000, 500, 900),
+        (4, 60.0, 300.0, 3000, 1000, 900),  # logged out of order
+        (3, 50.0, 260.0, 2000, 1000, 900),
+    ]
+    steps = step_table(rows)
+    assert steady_state(steps, 2) == pytest.approx((3000 + 1000 + 2000 + 1000) / (300 - 200))
+    assert steady_state(steps, 0) == pytest.approx(
+        (4 * 1500 + 4000 + 3000 - 1500 - 1500 - 1500 + 1500 + 1500 - 1500) / 200
+    )
+    assert steady_state(steps[:3], 2) is None  # never filled
+    attrs = {
+        "bound_rollout_per_gpu": 100.0,
+        "bound_reward_per_gpu": 50.0,
+        "bound_train_gpu_s_per_token": 0.01,
+    }
+    ro, rm, tr = 8000, 3500, 4500
+    gpu_s = ro / 100 + rm / 50 + tr * 0.01
+    assert work_conserving_bound(steps, attrs.get, 4) == pytest.approx((ro + rm) / (gpu_s / 4))
+    assert work_conserving_bound(steps, {}.get, 4) is None
+
+
+def test_simulate_reports_steady_and_bound_for_every_mode() -> None:
+    for mode in ("colocated", "disaggregated", "rr_colocated", "pivot"):
+        s = simulate(load_config(None, [*SMALL, f"deployment.mode={mode}", "loop.steps=4"]), None)
+        bound = s["tokens_per_s_bound"]
+        assert s["tokens_per_s"] > 0 and bound and s["tokens_per_s"] <= bound, (mode, s)
+        assert s["tokens_per_s_steady"] is not None or mode != "colocated"
+
+
+GROUP4 = Path(__file__).resolve().parents[2] / "configs/sim/group4-qwen72b-qwen122b.yaml"
+
+
+def test_4096_gpus_start_shift_and_stop_in_a_few_simulated_seconds() -> None:
+    """Group 4 scaled to 4096 GPUs: the whole brain runs at that scale (the full timing is
+    `pivot-hpc bench sim --gpus 4096 --steps 2`)."""
+    from pivot_hpc.sim.run import scale_to
+
+    cfg = scale_to(load_config(str(GROUP4), ["deployment.mode=pivot", "loop.steps=2"]), 4096)
+    coord, cluster, _ = build(cfg)
+    coord.stop_requested = lambda: cluster.now() > 30.0
+    coord.run()
+    assert coord.stopped and cluster.now() > 30.0
+    assert coord.topology.num_gpus == 4096
+    a = coord.allocation()  # every GPU serves or shifts between inference roles (§8.3)
+    assert a["rollout"] + a["reward"] + a["transition"] == 4096 and a["rollout"] > 0
+    assert coord.schedulers["rollout"].n_running > 0
+    coord.schedulers["rollout"].check_invariants()
+
+
+def test_bench_sim_json_keys() -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pivot_hpc", "bench", "sim", *"--gpus 64 --steps 1 --json".split()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    r = json.loads(out.stdout)
+    assert {"gpus", "steps", "wall_s", "events"} <= set(r)
+    assert r["gpus"] == 64 and r["steps"] == 1 and r["events"] > 0
