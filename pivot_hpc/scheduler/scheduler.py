@@ -439,7 +439,12 @@ class Scheduler:
 
     def _abort(self, ps: list[int], which: str) -> list[int]:
         rep = self.seq_rep[: len(self._seqs)]
-        qs = np.flatnonzero(np.isin(rep, ps)) if len(ps) > 1 else np.flatnonzero(rep == ps[0])
+        if len(ps) > 1:
+            leaving = np.zeros(len(self._rid_of) + 1, bool)  # index -1 (queued/gone): False
+            leaving[ps] = True
+            qs = np.flatnonzero(leaving[np.maximum(rep, -1)])
+        else:
+            qs = np.flatnonzero(rep == ps[0])
         if which == "shortest" and len(qs):
             qs = qs[np.lexsort((self.seq_id[qs], self.seq_len[qs]))[:1]]
         if not len(qs):
@@ -545,7 +550,12 @@ class Scheduler:
         qs = np.flatnonzero(rep >= 0)
         if not len(qs):
             return
-        orig = qs[np.lexsort((self.seq_id[qs], self.seq_len[qs], rep[qs]))]
+        r, length, ids = rep[qs], self.seq_len[qs], self.seq_id[qs]
+        if m < 1 << 20 and length.max() < 1 << 21 and ids.max() < 1 << 22:
+            # one int64 key (replica, length, id), unique: a plain argsort, 2-3x lexsort's speed
+            orig = qs[np.argsort((r << 43) | (length << 22) | ids)]
+        else:
+            orig = qs[np.lexsort((ids, length, r))]
         reps_sorted = rep[orig]
         bounds = np.arange(m + 1, dtype=np.int64)
         start = np.searchsorted(reps_sorted, bounds[:-1], "left").astype(np.int64)

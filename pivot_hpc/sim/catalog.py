@@ -380,6 +380,38 @@ def from_profile(costs: InferenceCosts, path: str | Path) -> InferenceCosts:
     )
 
 
+PROFILE_MODEL_KEYS = ("params", "layers", "hidden", "heads", "kv_heads", "head_dim")
+
+
+def model_from_profile(name: str, path: str | Path) -> ModelSpec:
+    """A model that is not in the catalog, described by the `model:` section of a profile
+    file (params, layers, hidden, heads, kv_heads, head_dim: the model's config.json)."""
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    m = doc.get("model") if isinstance(doc, dict) else None
+    missing = [k for k in PROFILE_MODEL_KEYS if not isinstance(m, dict) or k not in m]
+    if missing:
+        raise CatalogError(
+            f"{path}: model {name!r} is not in the catalog, so the profile needs a `model:` "
+            f"section with {', '.join(PROFILE_MODEL_KEYS)} (missing: {', '.join(missing)})"
+        )
+    try:
+        return ModelSpec(
+            name,
+            int(m["layers"]),
+            int(m["hidden"]),
+            int(m["heads"]),
+            int(m["kv_heads"]),
+            int(m["head_dim"]),
+            0,
+            0,
+            total_override=float(m["params"]),
+        )
+    except (TypeError, ValueError) as exc:
+        raise CatalogError(f"{path}: bad `model:` section ({exc})") from None
+
+
 def _hw_key(hw: Hardware) -> str:
     return next(k for k, v in HARDWARE.items() if v is hw or v == hw)
 

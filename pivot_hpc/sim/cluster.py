@@ -27,6 +27,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pivot_hpc.coordinator.events import SequenceFinished, ShiftDone, TrainingDone, WeightsUpdated
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.planner.snapshot import TRAINING, role_of
@@ -61,6 +63,8 @@ class _Replica:
     version: int = 0  # event stamp for lazy invalidation
     waiting: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     # ^ engine queue: seq id -> (context, generated, target), retracted or arrived while full
+    lengths_cache: tuple[np.ndarray, np.ndarray] | None = None  # (ids, length − iters)
+    lengths_grow: int = 0  # the first this many of the cache are running (they grow)
     fixed_n: int = -1  # membership size `fixed` was computed for
     fixed: float = 0.0  # F(n): the step time at zero tokens held
 
@@ -143,6 +147,7 @@ class SimCluster:
 
     def _schedule(self, r: _Replica) -> None:
         r.version += 1
+        r.lengths_cache = None  # called after every membership change
         if not r.seqs:
             return
         n = len(r.seqs)
@@ -250,17 +255,29 @@ class SimCluster:
         raise RuntimeError("the simulator aborts synchronously; nothing is held back")
 
     def lengths(self, role: str) -> dict[int, int]:
-        out = {}
+        ids, lens = [], []
         for r in self._replicas.values():
-            if r.role == role:
-                self._advance(r)
-                it = r.iters + 0.5  # rounded to the nearest token
-                seqs = r.seqs
-                out.update(
-                    zip(seqs, [int(s.length0 - s.base + it) for s in seqs.values()], strict=True)
-                )
-                out.update((sid, int(w[0] + 0.5)) for sid, w in r.waiting.items())
-        return out
+            if r.role != role:
+                continue
+            self._advance(r)
+            if r.lengths_cache is None:
+                n, w = len(r.seqs), len(r.waiting)
+                sid = np.fromiter(r.seqs, np.int64, n)
+                off = np.fromiter((s.length0 - s.base for s in r.seqs.values()), float, n)
+                wid = np.fromiter(r.waiting, np.int64, w)
+                wlen = np.fromiter((x[0] for x in r.waiting.values()), float, w)
+                # running sequences grow with the replica's iteration count, waiting ones not
+                r.lengths_cache = (np.concatenate([sid, wid]), np.concatenate([off, wlen]))
+                r.lengths_grow = n
+            sid, off = r.lengths_cache
+            cur = off.copy()
+            cur[: r.lengths_grow] += r.iters
+            ids.append(sid)
+            lens.append(cur)
+        if not ids:
+            return {}
+        rounded = np.floor(np.concatenate(lens) + 0.5).astype(np.int64)
+        return dict(zip(np.concatenate(ids).tolist(), rounded.tolist(), strict=True))
 
     def update_weights(self, rid: str, version: int) -> None:
         r = self._replicas[rid]

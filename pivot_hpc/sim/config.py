@@ -96,13 +96,17 @@ class SimConfig:
     def validate(self, path: str) -> None:
         from pivot_hpc.sim.catalog import MODELS
 
-        for key in ("policy_model", "reward_model"):
-            if getattr(self, key) not in MODELS:
+        for key, profile in (
+            ("policy_model", "rollout_profile"),
+            ("reward_model", "reward_profile"),
+        ):
+            if getattr(self, key) not in MODELS and getattr(self, profile) is None:
                 fail(
                     f"{path}.{key}",
                     getattr(self, key),
                     f"known models: {', '.join(sorted(MODELS))}; for another model, profile "
-                    f"it (pivot-hpc profile) and set {path}.rollout_profile/reward_profile",
+                    f"it (pivot-hpc profile), add a `model:` section to the file and set "
+                    f"{path}.{profile}",
                 )
         if self.training_tp < 1:
             fail(f"{path}.training_tp", self.training_tp, "must be >= 1")

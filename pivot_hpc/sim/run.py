@@ -23,10 +23,12 @@ from pivot_hpc.sim.catalog import (
     HARDWARE,
     MODELS,
     InferenceCosts,
+    ModelSpec,
     TrainingTerms,
     from_profile,
     inference_costs,
     lookup,
+    model_from_profile,
     training_costs,
     with_max_running,
 )
@@ -35,15 +37,21 @@ from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
 from pivot_hpc.telemetry.summary import steady_state, step_table, work_conserving_bound
 
 
+def role_model(cfg: Config, role: str) -> ModelSpec:
+    """The catalog model of a role, or the one its profile file describes."""
+    name = cfg.sim.policy_model if role == "rollout" else cfg.sim.reward_model
+    profile = cfg.sim.rollout_profile if role == "rollout" else cfg.sim.reward_profile
+    if name in MODELS or profile is None:
+        return lookup(MODELS, name, "model")
+    return model_from_profile(name, profile)
+
+
 def role_costs(cfg: Config) -> dict[str, InferenceCosts]:
     """Inference costs of both roles: catalog × calibration, or the user's own profiles."""
     hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
     out = {}
-    for role, name, profile in (
-        ("rollout", cfg.sim.policy_model, cfg.sim.rollout_profile),
-        ("reward", cfg.sim.reward_model, cfg.sim.reward_profile),
-    ):
-        costs = inference_costs(lookup(MODELS, name, "model"), hw, getattr(cfg, role).tp)
+    for role, profile in (("rollout", cfg.sim.rollout_profile), ("reward", cfg.sim.reward_profile)):
+        costs = inference_costs(role_model(cfg, role), hw, getattr(cfg, role).tp)
         if cfg.sim.max_running_requests is not None:
             costs = with_max_running(costs, cfg.sim.max_running_requests)
         if profile is not None:
@@ -54,8 +62,7 @@ def role_costs(cfg: Config) -> dict[str, InferenceCosts]:
 
 def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
     hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
-    policy = lookup(MODELS, cfg.sim.policy_model, "model")
-    judge = lookup(MODELS, cfg.sim.reward_model, "model")
+    policy, judge = role_model(cfg, "rollout"), role_model(cfg, "reward")
     costs = role_costs(cfg)
     mode_name = cfg.deployment.mode
     n = cfg.cluster.total_gpus

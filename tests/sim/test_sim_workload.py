@@ -183,3 +183,32 @@ def test_bench_sim_json_keys() -> None:
     r = json.loads(out.stdout)
     assert {"gpus", "steps", "wall_s", "events"} <= set(r)
     assert r["gpus"] == 64 and r["steps"] == 1 and r["events"] > 0
+
+
+def test_a_model_outside_the_catalog_runs_from_its_profile(tmp_path: Path) -> None:
+    prof = tmp_path / "my-model.yaml"
+    prof.write_text(
+        "throughput: {A: 2.0e-7, B: 8.0e-3, C: 3.0e-4, D: 1.0e-3}\n"
+        "kv_capacity_tokens: 500000\n"
+        "model: {params: 8.0e9, layers: 32, hidden: 4096, heads: 32, kv_heads: 8, head_dim: 128}\n",
+        encoding="utf-8",
+    )
+    extra = ["sim.policy_model=my-8b", f"sim.rollout_profile={prof}", "deployment.mode=pivot"]
+    s = simulate(load_config(None, [*SMALL, *extra]), None)
+    assert s["steps"] == 2 and s["tokens"] > 0
+    _coord, cluster, _ = build(load_config(None, [*SMALL, *extra]))
+    assert cluster.inference["rollout"].model.A == 2.0e-7
+    assert cluster.inference["rollout"].kv_capacity_tokens == 500000
+    assert cluster.inference["rollout"].sources["A"] == f"profile: {prof}"
+
+
+def test_a_model_outside_the_catalog_without_profile_is_one_clear_error(tmp_path: Path) -> None:
+    from pivot_hpc.config.loader import ConfigError
+    from pivot_hpc.sim.catalog import CatalogError
+
+    with pytest.raises(ConfigError, match="sim.policy_model.*pivot-hpc profile"):
+        load_config(None, [*SMALL, "sim.policy_model=my-8b"])
+    prof = tmp_path / "p.yaml"
+    prof.write_text("throughput: {A: 2.0e-7, B: 8.0e-3, C: 3.0e-4, D: 1.0e-3}\n")
+    with pytest.raises(CatalogError, match="needs a `model:` section"):
+        build(load_config(None, [*SMALL, "sim.policy_model=my-8b", f"sim.rollout_profile={prof}"]))
