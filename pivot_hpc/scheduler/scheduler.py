@@ -158,6 +158,8 @@ class Scheduler:
         self._qkey = np.zeros(0, np.int64)
         self._shared = False  # a clone sharing _seqs, _q_of, seq_len, seq_id (copy on write)
         self._pending: list[int] = []  # submitted, not yet merged into the queue arrays
+        # running positions sorted by (replica, length, id), for Alg. 4; None: stale
+        self._run_order: np.ndarray | None = None
         self._n_running = 0
 
     # ------------------------------------------------------------------ state
@@ -342,6 +344,7 @@ class Scheduler:
         if not lengths:
             return
         self._own()
+        self._run_order = None
         try:
             qs = np.fromiter(map(self._q_of.__getitem__, lengths), np.int64, len(lengths))
         except KeyError as exc:
@@ -374,6 +377,7 @@ class Scheduler:
     def grow(self, seq_id: int, length: int) -> None:
         """A running or queued sequence now holds `length` tokens of context."""
         self._own()
+        self._run_order = None
         q = self._q_of.get(seq_id)
         if q is None:
             raise SchedulerError(f"{self.role}: sequence {seq_id} is not scheduled")
@@ -389,6 +393,7 @@ class Scheduler:
 
     def _release(self, q: int) -> SeqState:
         self._own()
+        self._run_order = None
         seq = self._synced(q)
         self.seq_rep[q] = GONE
         self._seqs[q] = None
@@ -421,6 +426,7 @@ class Scheduler:
         """Drop positions of finished sequences (keeps arrays proportional to live work)."""
         live = [q for q in range(len(self._seqs)) if self._seqs[q] is not None]
         self._flush()
+        self._run_order = None
         idx = np.asarray(live, np.int64)
         remap = np.full(len(self._seqs), -1, np.int64)
         remap[idx] = np.arange(len(idx))
@@ -435,9 +441,9 @@ class Scheduler:
         """Stop sequences on `rid` (all, or the shortest) and return them to the queue."""
         if which not in ("all", "shortest"):
             raise SchedulerError(f"abort: which={which!r}; valid: 'all', 'shortest'")
-        return self._abort([self._pos(rid)], which)
+        return self.seq_id[self._abort([self._pos(rid)], which)].tolist()
 
-    def _abort(self, ps: list[int], which: str) -> list[int]:
+    def _abort(self, ps: list[int], which: str) -> np.ndarray:
         rep = self.seq_rep[: len(self._seqs)]
         if len(ps) > 1:
             leaving = np.zeros(len(self._rid_of) + 1, bool)  # index -1 (queued/gone): False
@@ -448,14 +454,15 @@ class Scheduler:
         if which == "shortest" and len(qs):
             qs = qs[np.lexsort((self.seq_id[qs], self.seq_len[qs]))[:1]]
         if not len(qs):
-            return []
+            return qs
+        self._run_order = None
         np.subtract.at(self.n, rep[qs], 1)
         np.subtract.at(self.tok, rep[qs], self.seq_len[qs])
         for p in ps:
             self._refresh(p)
         self._n_running -= len(qs)
         self._enqueue_many(qs)
-        return self.seq_id[qs].tolist()
+        return qs
 
     def _candidates(self, targets: Iterable[str] | None) -> np.ndarray:
         """Positions a dispatch may choose from, ascending (the tie-breaking order)."""
@@ -490,6 +497,7 @@ class Scheduler:
         )
         if not placed:
             return []
+        self._run_order = None
         out = []
         if record:
             rep, ids, rid_of = self.seq_rep, self.seq_id, self._rid_of
@@ -531,31 +539,50 @@ class Scheduler:
         res = MigrationResult(throughput_before=self.throughput())
         t0 = time.perf_counter()
         added = []
+        base = self._running_order() if self.migration else None
         for rid, capacity, model in new:
             self.add_replica(rid, capacity, model)
             added.append(rid)
+        before = len(self._qpos) + len(self._pending)
+        self._flush()
+        queued = self._qpos
         res.dispatched = self.dispatch(added, record=record)
         t1 = time.perf_counter()
         res.dispatch_s = t1 - t0
         if self.migration and added and not self.n_queued:
-            self._migrate(res, record)
+            # the new replicas come last in position order: their sequences (just placed
+            # from the queue) extend the cached order of everything that already ran
+            placed = queued[: before - self.n_queued]
+            assert base is not None
+            self._migrate(res, record, np.concatenate([base, self._sorted_running(placed)]))
         res.migrate_s = time.perf_counter() - t1
         res.throughput_after = self.throughput()
         return res
 
-    def _migrate(self, res: MigrationResult, record: bool) -> None:
+    def _sorted_running(self, qs: np.ndarray) -> np.ndarray:
+        """Positions `qs` (running) sorted by (replica, length, id)."""
+        if not len(qs):
+            return qs
+        r, length, ids = self.seq_rep[qs], self.seq_len[qs], self.seq_id[qs]
+        if len(self._rid_of) < 1 << 20 and length.max() < 1 << 21 and ids.max() < 1 << 22:
+            # one int64 key (replica, length, id), unique: a plain argsort, 2-3x lexsort's speed
+            return qs[np.argsort((r << 43) | (length << 22) | ids)]
+        return qs[np.lexsort((ids, length, r))]
+
+    def _running_order(self) -> np.ndarray:
+        """Every running position sorted by (replica, length, id); cached until a change.
+        Clones share it: the planner sorts once per snapshot, not once per candidate."""
+        if self._run_order is None:
+            rep = self.seq_rep[: len(self._seqs)]
+            self._run_order = self._sorted_running(np.flatnonzero(rep >= 0))
+        return self._run_order
+
+    def _migrate(self, res: MigrationResult, record: bool, orig: np.ndarray) -> None:
         m = len(self._rid_of)
-        nq = len(self._seqs)
-        rep = self.seq_rep[:nq]
-        qs = np.flatnonzero(rep >= 0)
+        rep = self.seq_rep
+        qs = orig
         if not len(qs):
             return
-        r, length, ids = rep[qs], self.seq_len[qs], self.seq_id[qs]
-        if m < 1 << 20 and length.max() < 1 << 21 and ids.max() < 1 << 22:
-            # one int64 key (replica, length, id), unique: a plain argsort, 2-3x lexsort's speed
-            orig = qs[np.argsort((r << 43) | (length << 22) | ids)]
-        else:
-            orig = qs[np.lexsort((ids, length, r))]
         reps_sorted = rep[orig]
         bounds = np.arange(m + 1, dtype=np.int64)
         start = np.searchsorted(reps_sorted, bounds[:-1], "left").astype(np.int64)
@@ -588,6 +615,8 @@ class Scheduler:
             out_dst,
         )
         res.migrations += moves
+        if moves:
+            self._run_order = None
         if record and moves:
             ids, rid_of = self.seq_id, self._rid_of
             res.aborted.extend(
@@ -618,6 +647,7 @@ class Scheduler:
         c._shared = self._shared = True
         c._qpos, c._qkey = self._qpos, self._qkey
         c._pending = []
+        c._run_order = self._running_order() if self.migration else None
         c._n_running = self._n_running
         return c
 
