@@ -6,13 +6,18 @@ Layout of `<run dir>/checkpoints/`:
         config.yaml         the run config that wrote it (resume compares against it)
         policy/             policy weights in HF layout (model.safetensors + config)
         train/              megatron distributed checkpoint (model + optimizer)
-        rl_state.pkl        RL state (pickle: trust only your own run directories)
-        ranks.pkl           per-rank RNG states
+        rl_state.json       RL state (tagged JSON, checkpoint/codec.py: data, never code)
+        ranks.json          per-rank RNG states (same)
     .tmp-ckpt-000008-1234/  being written (or left by a killed job: ignored, removed)
 
 The newest complete checkpoint is the one with the highest index. A crash while writing
 leaves only a temporary directory, never a torn `ckpt-*`; a `ckpt-*` whose files do not
 match its manifest (a damaged disk, a hand edit) is reported, not silently skipped.
+
+Nothing in a checkpoint is unpickled: a `ckpt-*` holding a pickle of ours (older
+pivot_hpc wrote rl_state.pkl / ranks.pkl) is refused by name, and megatron-core's own
+pickled `train/.metadata` is read only after its opcodes show nothing but plain data
+(pickle_scan.py).
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from typing import Any
 
 import yaml
 
+from pivot_hpc.checkpoint.pickle_scan import UnsafePickleError, check_metadata
 from pivot_hpc.errors import PivotError
 
-FORMAT = 1
+FORMAT = 2  # 2: JSON state files (1 held pickles and is refused)
 MANIFEST = "manifest.json"
 _FINAL = re.compile(r"^ckpt-(\d{6})$")
 _TMP = re.compile(r"^\.tmp-ckpt-(\d{6})-\d+$")
@@ -137,6 +143,17 @@ def verify(path: Path) -> dict[str, Any]:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({e}); {fix}") from None
+    pickles = sorted(
+        str(p.relative_to(path))
+        for p in path.rglob("*")
+        if p.suffix in (".pkl", ".pickle") and p.is_file()
+    )
+    if pickles or manifest.get("format") == 1:
+        raise CheckpointError(
+            f"checkpoint {path}: holds pickled state ({', '.join(pickles) or 'format 1'}); "
+            "pivot_hpc never unpickles files from a run directory (a pickle can run code). "
+            f"Checkpoints of pivot_hpc before format {FORMAT} hold them: {fix}"
+        )
     if manifest.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint {path}: format {manifest.get('format')!r}, this pivot_hpc reads "
@@ -154,6 +171,11 @@ def verify(path: Path) -> dict[str, Any]:
             )
         if _crc32(p) != want["crc32"]:
             raise CheckpointError(f"checkpoint {path}: file {rel} fails its CRC32 check; {fix}")
+    for meta in path.glob("train/**/.metadata"):
+        try:
+            check_metadata(meta)
+        except UnsafePickleError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from None
     return manifest
 
 

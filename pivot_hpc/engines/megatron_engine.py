@@ -15,7 +15,9 @@ parameters they belong to, so a checkpoint loads under another TP size too.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -409,7 +411,8 @@ class MegatronTrainEngine:
         from megatron.core import dist_checkpointing
 
         template = self._sharded_state_dict()
-        state = dist_checkpointing.load(template, str(path))
+        with _weights_only_torch_load():  # megatron's common.pt: data, never code
+            state = dist_checkpointing.load(template, str(path))
         missing, _ = self.gpt.load_state_dict(state["model"], strict=False)
         real_missing = [k for k in missing if not k.endswith("_extra_state")]
         if real_missing:
@@ -426,6 +429,22 @@ class MegatronTrainEngine:
         self.optimizer.load_state_dict(opt)
         self.steps = int(state["engine"]["steps"])
         self.version = int(state["engine"]["version"])
+
+
+@contextlib.contextmanager
+def _weights_only_torch_load():
+    """Every torch.load inside uses torch's weights-only unpickler, whatever the caller asks
+    or the environment says (a checkpoint from someone else must not run code)."""
+    keys = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    saved = {k: os.environ.pop(k, None) for k in keys}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:

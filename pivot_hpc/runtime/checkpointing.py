@@ -8,11 +8,14 @@ save (coordinator, between events, never while a training step runs):
      and in-flight samples) and the tokens every unfinished sequence generated so far —
      queued ones from their last abort, running ones peeked without disturbing them.
 Then `store.commit` renames the directory into place. Resume reverses the three parts.
+
+RL state (rl_state.json) and RNG states (ranks.json) are tagged JSON (checkpoint/codec.py):
+nothing read from a run directory is unpickled, so a checkpoint from someone else can be
+wrong, never executable.
 """
 
 from __future__ import annotations
 
-import pickle
 import random
 import shutil
 import time
@@ -22,7 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from pivot_hpc.checkpoint import store
+from pivot_hpc.checkpoint import codec, store
+from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.data.problem import Problem
+from pivot_hpc.engines.base import SeqResult
+from pivot_hpc.rl.rewards import GenRMStats
+from pivot_hpc.runtime.live_samples import LivePayload
+
+RL_STATE = "rl_state.json"
+RANKS = "ranks.json"
+codec.register(Sample, LivePayload, Problem, SeqResult, GenRMStats)
 
 
 def coordinator_rng() -> dict[str, Any]:
@@ -91,8 +103,7 @@ class LiveCheckpointer:
         # 2. ranks: RNG states; training state on the training ranks
         ranks, train_s = self.cluster.save_ranks(str(tmp))
         ranks[0] = coordinator_rng()
-        with open(tmp / "ranks.pkl", "wb") as f:
-            pickle.dump(ranks, f, protocol=pickle.HIGHEST_PROTOCOL)
+        (tmp / RANKS).write_bytes(codec.dumps(ranks))
         # 3. RL state
         state = {
             "rl": rl.state(),
@@ -100,8 +111,7 @@ class LiveCheckpointer:
             "rewards": list(coord.stats.rewards),
             "genrm_stats": self.samples.genrm_stats,
         }
-        with open(tmp / "rl_state.pkl", "wb") as f:
-            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        (tmp / RL_STATE).write_bytes(codec.dumps(state))
         partial_tokens = sum(len(r.token_ids) for r in partials.values())
         replay = len(rl.replay_buffer())
         # generated work the checkpoint keeps: finished rollouts and judgements not yet
@@ -150,9 +160,19 @@ class LiveCheckpointer:
 
 
 def load_rl_state(path: Path) -> dict[str, Any]:
-    """The RL state a checkpoint holds (rl_state.pkl)."""
-    with open(path / "rl_state.pkl", "rb") as f:
-        return pickle.load(f)
+    """The RL state a checkpoint holds (rl_state.json)."""
+    return load_state(path, RL_STATE)
+
+
+def load_state(path: Path, name: str) -> Any:
+    """A checkpoint's JSON state file, decoded into registered types only."""
+    f = path / name
+    try:
+        return codec.loads(f.read_bytes(), str(f))
+    except OSError as exc:
+        raise store.CheckpointError(f"checkpoint {path}: cannot read {name} ({exc})") from None
+    except codec.CodecError as exc:
+        raise store.CheckpointError(f"checkpoint {path}: {exc}") from None
 
 
 def restore(path: Path, step: int, cluster, rl, samples) -> tuple[dict[str, Any], dict]:
@@ -162,8 +182,7 @@ def restore(path: Path, step: int, cluster, rl, samples) -> tuple[dict[str, Any]
     t0 = time.monotonic()
     manifest = store.verify(path)
     workers_s = cluster.restore_ranks(str(path))  # RNG; training ranks: model + optimizer
-    with open(path / "ranks.pkl", "rb") as f:
-        coordinator = pickle.load(f).get(0)
+    coordinator = load_state(path, RANKS).get(0)
     if coordinator is not None:
         restore_coordinator_rng(coordinator)
     state = load_rl_state(path)

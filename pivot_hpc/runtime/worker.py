@@ -244,10 +244,11 @@ class Worker:
     def restore(self, path: str) -> None:
         """Resume: this rank's RNG states; training ranks load model + optimizer state."""
         t0 = time.perf_counter()
-        import pickle
+        from pathlib import Path
 
-        with open(os.path.join(path, "ranks.pkl"), "rb") as f:
-            state = pickle.load(f).get(self.comm.Get_rank())
+        from pivot_hpc.runtime.checkpointing import RANKS, load_state
+
+        state = load_state(Path(path), RANKS).get(self.comm.Get_rank())
         if state is not None:
             torch.set_rng_state(state["torch"])
             for role, gen_state in state["engines"].items():

@@ -22,7 +22,7 @@ def write_ckpt(run_dir: Path, config: dict, step: int, keep: int = 2, payload: b
     tmp = store.begin(run_dir)
     (tmp / "policy").mkdir()
     (tmp / "policy" / "model.safetensors").write_bytes(payload * 1000)
-    (tmp / "rl_state.pkl").write_bytes(b"state")
+    (tmp / "rl_state.json").write_bytes(b"state")
     return store.commit(tmp, {"step": step, "reason": "periodic"}, config, keep)
 
 
@@ -40,11 +40,11 @@ def test_commit_is_atomic_newest_wins_and_old_ones_are_pruned(tmp_path: Path) ->
     assert manifest["step"] == 3 and set(manifest["files"]) == {
         "config.yaml",
         "policy/model.safetensors",
-        "rl_state.pkl",
+        "rl_state.json",
     }
     # a job killed while writing leaves only a temporary directory: never "complete"
     tmp = store.begin(tmp_path)
-    (tmp / "rl_state.pkl").write_bytes(b"half")
+    (tmp / "rl_state.json").write_bytes(b"half")
     assert store.newest(tmp_path) == paths[2]
     # ... and one killed while pruning leaves a renamed directory, also never complete
     doomed = store.checkpoints_dir(tmp_path) / ".del-ckpt-000001"
@@ -112,3 +112,101 @@ def test_saved_config_is_the_users_config(tmp_path: Path) -> None:
     cfg = tiny_config("loop.steps=7")
     path = write_ckpt(tmp_path, cfg, 1)
     assert yaml.safe_load((path / "config.yaml").read_text()) == json.loads(json.dumps(cfg))
+
+
+class _Payload:
+    """Runs code when unpickled: what a crafted checkpoint would hold."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/pivot-hpc-pwned-by-checkpoint",))
+
+
+def _crafted_pickle() -> bytes:
+    import pickle
+
+    return pickle.dumps(_Payload())
+
+
+@pytest.mark.parametrize("name", ["rl_state.pkl", "ranks.pkl", "train/extra.pkl"])
+def test_a_checkpoint_with_a_pickle_is_refused_by_name(tmp_path: Path, capsys, name: str) -> None:
+    """Files earlier versions unpickled: planted with a payload, nothing runs, the error
+    names the file, before any rank starts."""
+    marker = Path("/tmp/pivot-hpc-pwned-by-checkpoint")
+    marker.unlink(missing_ok=True)
+    tmp = store.begin(tmp_path)
+    (tmp / "policy").mkdir()
+    (tmp / "policy" / "model.safetensors").write_bytes(b"w" * 100)
+    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp / name).write_bytes(_crafted_pickle())
+    store.commit(tmp, {"step": 3, "reason": "periodic"}, tiny_config(), 2)
+    code = main(["run", TINY, "--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and name in err and "never unpickles" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not marker.exists()
+
+
+def test_state_files_with_a_pickle_inside_are_data_errors(tmp_path: Path) -> None:
+    """JSON state files decode into registered types only: pickle bytes or an unknown type
+    are a clear error naming the file, never code."""
+    from pivot_hpc.checkpoint import codec
+    from pivot_hpc.runtime.checkpointing import RL_STATE, load_state
+
+    (tmp_path / RL_STATE).write_bytes(_crafted_pickle())
+    with pytest.raises(store.CheckpointError, match="rl_state.json: not a pivot_hpc state"):
+        load_state(tmp_path, RL_STATE)
+    evil = {"__dataclass__": "Popen", "fields": {"args": ["touch", "/tmp/x"]}}
+    (tmp_path / RL_STATE).write_text(json.dumps({"rl": evil}))
+    with pytest.raises(store.CheckpointError, match="unknown type 'Popen'"):
+        load_state(tmp_path, RL_STATE)
+    # the real state round-trips: samples with live payloads, partials keyed by tuples
+    from pivot_hpc.coordinator.rl_state import Sample
+    from pivot_hpc.data.problem import Problem
+    from pivot_hpc.engines.base import SeqResult
+    from pivot_hpc.runtime.live_samples import LivePayload
+
+    res = SeqResult(7, [1, 2], [3, 4], [-0.5, -1.25], "abort", version=2)
+    s = Sample(7, 1, 3, 0, 2, LivePayload(Problem("p", "4"), [1, 2], res), version_start=1)
+    s.reward_verifiable, s.reward_genrm = 1.0, 0.5  # (NaN, the default, is != itself)
+    state = {"rl": {"batches": {1: [s]}}, "partials": {("rollout", 7): res}}
+    import numpy as np
+    import torch
+
+    state["rng"] = (torch.get_rng_state(), np.random.get_state(), float("nan"))
+    back = codec.loads(codec.dumps(state), "x")
+    assert back["rl"]["batches"][1][0] == s and back["partials"][("rollout", 7)] == res
+    assert torch.equal(back["rng"][0], state["rng"][0])
+    assert (back["rng"][1][1] == state["rng"][1][1]).all()
+
+
+def test_dcp_metadata_scan_accepts_plain_data_and_refuses_code(tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from pivot_hpc.checkpoint.pickle_scan import UnsafePickleError, check_metadata
+
+    md = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.bfloat16),
+                torch.Size([4, 4]),
+                [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4]))],
+            )
+        }
+    )
+    ok = tmp_path / ".metadata"
+    ok.write_bytes(pickle.dumps(md))
+    check_metadata(ok)
+    bad = tmp_path / "evil.metadata"
+    bad.write_bytes(_crafted_pickle())
+    with pytest.raises(UnsafePickleError, match="system"):
+        check_metadata(bad)
