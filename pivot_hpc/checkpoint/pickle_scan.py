@@ -33,6 +33,7 @@ _DATA_GLOBALS = {
     ("collections", "defaultdict"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch._utils", "_rebuild_tensor_v2"),
     ("torch.storage", "_load_from_bytes"),
     ("torch", "device"),
@@ -107,7 +108,7 @@ def check_metadata(path: Path) -> None:
     bad = sorted({f"{m}.{n}" for m, n in found if not _allowed(m, n)})
     if bad:
         raise UnsafePickleError(
-            f"{path}: refers to {', '.join(bad[:5])}, which a checkpoint's metadata never "
-            "does; it was not written by pivot_hpc and is not loaded. Delete the checkpoint "
-            "(or use one you wrote yourself)."
+            f"{path}: refers to {', '.join(bad[:5])}, which checkpoint metadata never does "
+            "(a pickle that would run code is not loaded); delete this checkpoint or use one "
+            "you wrote yourself"
         )

@@ -93,6 +93,13 @@ def test_megatron_engine(which, request):
     assert res["continue_bitwise"]
 
 
+def test_megatron_checkpoint_metadata_passes_the_pickle_scan(tp1):
+    """The only pickle in a checkpoint (torch DCP's .metadata) holds plain data only."""
+    from pivot_hpc.checkpoint.pickle_scan import check_metadata
+
+    check_metadata(tp1[1] / "ckpt" / ".metadata")
+
+
 @pytest.mark.timeout(600)
 def test_tp2_trains_like_tp1(tp1, tp2):
     """Same batch, same init: the TP=2 step (sharded grads, TP-aware clipping) matches TP=1."""

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from pivot_hpc.config import load_config
-from pivot_hpc.coordinator.events import SequenceFinished
 from pivot_hpc.sim.config import WorkloadConfig
 from pivot_hpc.sim.run import build, simulate
 from pivot_hpc.sim.workload import SimWorkload
 from pivot_hpc.telemetry.summary import steady_state, step_table, work_conserving_bound
+from tests.sim.tokens import run_keeping_tokens
 
 SMALL = [
     "cluster.nodes=1",
@@ -54,19 +54,7 @@ def test_kv_preemption_under_growing_sequences_loses_no_tokens(tmp_path: Path, m
     )
     coord, cluster, _ = build(cfg)
     assert cluster.inference["rollout"].kv_capacity_tokens == 6000
-    finished: dict[tuple[str, int], int] = {}
-    orig = coord.handle
-
-    def spy(ev):
-        if isinstance(ev, SequenceFinished):
-            target = ev.result.response_len if ev.role == "rollout" else ev.result.judgement_len
-            assert ev.generated == target  # every generated token kept across retractions
-            assert (ev.role, ev.seq_id) not in finished
-            finished[(ev.role, ev.seq_id)] = ev.generated
-        orig(ev)
-
-    coord.handle = spy
-    coord.run()
+    finished = run_keeping_tokens(coord)
     assert cluster.preempted > 0, "the workload outgrows a 6000-token cache: it must retract"
     assert len(finished) == 2 * 2 * 8 * 4  # both roles, every sample, exactly once
     assert coord.rl.version == 2 and not coord.samples

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from pivot_hpc.config import load_config
-from pivot_hpc.coordinator.events import SequenceFinished
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.scheduler import ThroughputModel
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, InferenceCosts, TrainingCosts, inference_costs
@@ -19,6 +18,7 @@ from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.run import build, simulate
 from pivot_hpc.sim.workload import SimPayload
 from pivot_hpc.telemetry import open_run
+from tests.sim.tokens import run_keeping_tokens
 
 TINY = [
     "cluster.nodes=2",
@@ -88,19 +88,7 @@ def test_deterministic_for_a_seed() -> None:
 def test_migrations_keep_generated_tokens() -> None:
     """A sequence aborted by a shift resumes with its tokens: generated totals match."""
     coord, _cluster, _ = build(tiny("pivot"))
-    seen: dict[tuple[str, int], int] = {}
-    orig = coord.handle
-
-    def spy(ev):
-        if isinstance(ev, SequenceFinished):
-            target = ev.result.response_len if ev.role == "rollout" else ev.result.judgement_len
-            assert ev.generated == target  # neither lost nor repeated across aborts
-            assert (ev.role, ev.seq_id) not in seen
-            seen[(ev.role, ev.seq_id)] = ev.generated
-        orig(ev)
-
-    coord.handle = spy
-    coord.run()
+    seen = run_keeping_tokens(coord)
     assert coord.stats.migrated > 0
     assert len(seen) == 2 * 3 * 12 * 4
 
