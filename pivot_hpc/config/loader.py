@@ -10,6 +10,7 @@ down, by `validate_config` before any MPI work starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -101,11 +102,13 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"config key '{path}': expected a number, got {value!r}")
+        if not math.isfinite(value):  # NaN passes every range check: refuse it here, once
+            raise ConfigError(f"config key '{path}': {value!r} is not a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

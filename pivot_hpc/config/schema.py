@@ -161,6 +161,12 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # DESIGN.md §9
 
     def validate(self, path: str) -> None:
+        # the parts the cross-field rules below divide by, checked first (children are
+        # validated after their parent)
+        self.cluster.validate("cluster")
+        for role in ("rollout", "reward"):
+            if getattr(self, role).tp < 1:
+                fail(f"{role}.tp", getattr(self, role).tp, "must be >= 1")
         n = self.cluster.total_gpus
         per_node = self.cluster.gpus_per_node
         for role in ("rollout", "reward"):

@@ -162,8 +162,10 @@ def scale_to(cfg: Config, gpus: int) -> Config:
     if gpus == total:
         return cfg
     per_node = cfg.cluster.gpus_per_node
-    if gpus % per_node:
-        raise ConfigError(f"--gpus {gpus}: must be a multiple of cluster.gpus_per_node={per_node}")
+    if gpus < per_node or gpus % per_node:
+        raise ConfigError(
+            f"--gpus {gpus}: must be a positive multiple of cluster.gpus_per_node={per_node}"
+        )
     f = gpus / total
 
     def scaled(v: int | None, unit: int = 1) -> int | None:

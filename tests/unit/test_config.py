@@ -80,3 +80,35 @@ def test_missing_and_bad_files(tmp_path: Path) -> None:
         load_config(write(tmp_path, "a: [1, 2\n"))
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(write(tmp_path, "- 1\n- 2\n"))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "planner.interval_s=nan",
+        "rl.grpo.temperature=nan",
+        "rl.grpo.kl_coef=.nan",
+        "loop.monitor_interval_s=inf",
+        "planner.horizon_s=-inf",
+        "sim.workload.response_median=nan",
+    ],
+)
+def test_non_finite_floats_are_refused_by_key(override: str) -> None:
+    """NaN compares false, so it would pass every range check: refused where it is read."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"'{key}'.*not a finite number"):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("rollout.tp=0", "rollout.tp"),
+        ("reward.tp=-2", "reward.tp"),
+        ("cluster.nodes=0", "cluster.nodes"),
+        ("cluster.gpus_per_node=0", "cluster.gpus_per_node"),
+    ],
+)
+def test_zero_sizes_blame_their_own_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(None, [override])
