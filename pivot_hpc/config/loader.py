@@ -177,8 +177,24 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
+        raise ConfigError(
+            f"override {text!r}: the value is not valid YAML ({_yaml_problem(exc, 'column')}); "
+            "quote it if it is text"
+        ) from None
     return parts, value
+
+
+def _yaml_problem(exc: yaml.YAMLError, where: str = "line") -> str:
+    """One line for a YAML error: what is wrong and where (1-based)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if "\\t" in str(problem):  # YAML names a tab as the two characters backslash, t
+        problem = f"{problem} (indent with spaces, not tabs)"
+    if mark is None:
+        return str(problem)
+    if where == "column":
+        return f"{problem} at column {mark.column + 1}"
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def apply_overrides(data: dict, overrides: Iterable[str], root: type | None = None) -> dict:
@@ -226,9 +242,18 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+            f"offset {exc.start}); save it as UTF-8"
+        ) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML: {_yaml_problem(exc)}"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

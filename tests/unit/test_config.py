@@ -112,3 +112,28 @@ def test_non_finite_floats_are_refused_by_key(override: str) -> None:
 def test_zero_sizes_blame_their_own_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"'{key}'"):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("content", "expect"),
+    [
+        (b"loop:\n\tsteps: 3\n", "line 2, column 1: .*spaces, not tabs"),
+        (b"loop: {steps: 3\n", "line 2, column 1: expected ',' or '}'"),
+        (b"\xff\xfeloop: 1\n", "not UTF-8 text .*0xff"),
+    ],
+)
+def test_broken_config_files_are_one_line_naming_file_and_line(
+    tmp_path: Path, content: bytes, expect: str
+) -> None:
+    f = tmp_path / "broken.yaml"
+    f.write_bytes(content)
+    with pytest.raises(ConfigError, match=expect) as info:
+        load_config(str(f), [])
+    assert "broken.yaml" in str(info.value) and "\n" not in str(info.value)
+    assert "<unicode string>" not in str(info.value)
+
+
+def test_bad_override_value_is_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"'loop.steps=\[1'.*not valid YAML.*column 3") as info:
+        load_config(None, ["loop.steps=[1"])
+    assert "\n" not in str(info.value)
