@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from pivot_hpc.config import load_config
-from pivot_hpc.errors import PivotError
+from pivot_hpc.errors import PivotError, UsageError
 
 # Environment that makes OpenMPI + UCX/NIXL behave on CPU machines (PLATFORM.md).
 MPI_ENV = {
@@ -42,6 +42,11 @@ def in_mpi_world() -> bool:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validated before any MPI work
     run_dir = Path(args.run_dir)
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(
+                f"--run-dir {run_dir}: {parent} is a file, not a directory; choose another path"
+            )
     if args.in_world or in_mpi_world():
         if cfg.checkpoint.on_signal:  # as early as possible: a signal during start-up
             from pivot_hpc.runtime import stop  # still checkpoints (once the world is up)

@@ -210,3 +210,13 @@ def test_dcp_metadata_scan_accepts_plain_data_and_refuses_code(tmp_path: Path) -
     bad.write_bytes(_crafted_pickle())
     with pytest.raises(UnsafePickleError, match="system"):
         check_metadata(bad)
+
+
+def test_run_dir_that_is_a_file_is_one_line_before_any_rank(tmp_path: Path, capsys) -> None:
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    for run_dir in (f, f / "sub"):
+        code = main(["run", TINY, "--run-dir", str(run_dir)])
+        err = capsys.readouterr().err
+        assert code == 2 and "is a file, not a directory" in err
+        assert len(err.strip().splitlines()) == 1
