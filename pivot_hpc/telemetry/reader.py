@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,18 +107,89 @@ def find_files(run_dir: str | Path) -> list[Path]:
     )
 
 
-def _open(path: Path) -> h5py.File:
-    # swmr=True also opens files whose writer was killed (their "open for write" flag is
-    # still set); files written without libver="latest" need the plain open.
+PROBE_TIMEOUT_S = 10.0  # a killed writer's file must read within this, or it is damaged
+
+
+def _torn(path: Path) -> str | None:
+    """Why the file cannot be whole, read from its HDF5 superblock (v2/v3, what the writer
+    makes): the end-of-file address it records lies beyond the bytes on disk. HDF5's SWMR
+    open does not check this and retries its metadata reads for minutes instead."""
     try:
-        return h5py.File(path, "r", swmr=True)
-    except OSError as swmr_exc:
-        try:
-            return h5py.File(path, "r")
-        except OSError:
+        with open(path, "rb") as f:
+            head = f.read(64)
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    if head[:8] != b"\x89HDF\r\n\x1a\n":
+        return "not an HDF5 file (no HDF5 signature at its start)"
+    if len(head) < 13:
+        return "truncated inside its superblock"
+    if head[8] not in (2, 3):
+        return None  # an older superblock layout: left to HDF5's own checks
+    o = head[9]
+    if o not in (4, 8) or len(head) < 12 + 4 * o:
+        return "damaged HDF5 superblock"
+    base = int.from_bytes(head[12 : 12 + o], "little")
+    eof = int.from_bytes(head[12 + 2 * o : 12 + 3 * o], "little")
+    if base + eof > size:
+        return f"truncated: {size} bytes on disk, its superblock records {base + eof}"
+    return None
+
+
+def _open(path: Path) -> h5py.File:
+    # A cleanly closed file opens plainly; one whose writer was killed still has its
+    # "open for write" flag set and opens only in SWMR mode, which must not be tried on a
+    # torn file (HDF5 then retries for minutes): the superblock is checked first.
+    try:
+        return h5py.File(path, "r")
+    except (OSError, RuntimeError) as plain_exc:
+        why = _torn(path)
+        if why is None and "truncated" in str(plain_exc):
+            why = "truncated"
+        if why is not None:
             raise TelemetryError(
-                f"{path}: cannot open telemetry file ({swmr_exc}); it may be truncated or not HDF5"
-            ) from swmr_exc
+                f"{path}: cannot open telemetry file: {why}; move it aside (the run's other "
+                "files still read)"
+            ) from None
+        damage = _probe_swmr(path)
+        if damage is not None:
+            raise TelemetryError(
+                f"{path}: cannot open telemetry file: damaged ({damage}); move it aside (the "
+                "run's other files still read)"
+            ) from None
+        try:
+            return h5py.File(path, "r", swmr=True)
+        except (OSError, RuntimeError) as swmr_exc:
+            raise TelemetryError(
+                f"{path}: cannot open telemetry file ({swmr_exc}); it may be damaged or not HDF5"
+            ) from None
+
+
+_PROBE = """
+import sys, h5py
+with h5py.File(sys.argv[1], "r", swmr=True) as f:
+    dict(f.attrs)
+    for name in f:
+        f[name][...]
+"""
+
+
+def _probe_swmr(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Read a killed writer's file once in a child process first: on damaged metadata HDF5's
+    SWMR reader retries for minutes, and a child can be stopped. None if it reads."""
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return f"HDF5 still retrying its metadata reads after {timeout_s:.0f} s"
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["unreadable"])[-1]
+        return last[:300]
+    return None
 
 
 def _attr_value(value: Any) -> Any:
@@ -153,11 +226,17 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 continue
             if name not in f:
                 raise TelemetryError(f"{path}: dataset {name!r} is missing")
-            raw = f[name][...]
-            missing = set(DTYPES[name].names or ()) - set(raw.dtype.names or ())
-            if missing:
-                raise TelemetryError(f"{path}: dataset {name!r} lacks fields {sorted(missing)}")
-            data[name] = raw[list(DTYPES[name].names or ())].astype(DECODED[name])
+            try:
+                raw = f[name][...]
+                missing = set(DTYPES[name].names or ()) - set(raw.dtype.names or ())
+                if missing:
+                    raise TelemetryError(f"{path}: dataset {name!r} lacks fields {sorted(missing)}")
+                data[name] = raw[list(DTYPES[name].names or ())].astype(DECODED[name])
+            except (OSError, RuntimeError, ValueError, UnicodeDecodeError) as exc:
+                raise TelemetryError(
+                    f"{path}: dataset {name!r} is damaged ({str(exc).splitlines()[0][:200]}); "
+                    "move the file aside"
+                ) from None
     return attrs, data
 
 
