@@ -19,6 +19,7 @@ copy it cheaply and the compiled loops in `kernels.py` can run over it.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,7 +157,11 @@ class Scheduler:
         # Both arrays are replaced, never written in place, so clones may share them.
         self._qpos = np.zeros(0, np.int64)
         self._qkey = np.zeros(0, np.int64)
-        self._shared = False  # a clone sharing _seqs, _q_of, seq_len, seq_id (copy on write)
+        # Copy on write of _seqs, _q_of, seq_len and seq_id: a clone copies them before it
+        # changes them (`_shared`); the original only while a clone sharing them is alive
+        # (the planner's clones live for one decision, so the original rarely copies).
+        self._shared = False
+        self._sharers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
         self._pending: list[int] = []  # submitted, not yet merged into the queue arrays
         # running positions sorted by (replica, length, id), for Alg. 4; None: stale
         self._run_order: np.ndarray | None = None
@@ -332,12 +337,13 @@ class Scheduler:
 
     def _own(self) -> None:
         """Copy what a clone shares before changing it (submit, lengths, finish)."""
-        if self._shared:
+        if self._shared or len(self._sharers):
             self._seqs = list(self._seqs)
             self._q_of = dict(self._q_of)
             self.seq_len = self.seq_len.copy()
             self.seq_id = self.seq_id.copy()
             self._shared = False
+            self._sharers = weakref.WeakSet()
 
     def set_lengths(self, lengths: dict[int, int]) -> None:
         """Bulk update of context lengths (monitor data: tokens generated since dispatch)."""
@@ -644,7 +650,9 @@ class Scheduler:
         c.seq_rep = self.seq_rep.copy()
         c.seq_len, c.seq_id = self.seq_len, self.seq_id
         c._seqs, c._q_of = self._seqs, self._q_of
-        c._shared = self._shared = True
+        c._shared = True
+        c._sharers = weakref.WeakSet()
+        self._sharers.add(c)
         c._qpos, c._qkey = self._qpos, self._qkey
         c._pending = []
         c._run_order = self._running_order() if self.migration else None

@@ -61,6 +61,7 @@ class _Replica:
     t_last: float = 0.0
     busy_until: float = 0.0  # prefill or weight load: no decoding before this
     version: int = 0  # event stamp for lazy invalidation
+    offsets: dict[int, float] = field(default_factory=dict)  # seq id -> length0 − base
     waiting: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     # ^ engine queue: seq id -> (context, generated, target), retracted or arrived while full
     lengths_cache: tuple[np.ndarray, np.ndarray] | None = None  # (ids, length − iters)
@@ -198,6 +199,7 @@ class SimCluster:
     def _admit(self, r: _Replica, sid: int, context: float, done: float, target: float) -> None:
         seq = _Seq(context, done, r.iters, r.iters + max(target - done, 1e-9))
         r.seqs[sid] = seq
+        r.offsets[sid] = seq.length0 - seq.base
         heapq.heappush(r.finishing, (seq.finish_at, sid))
         r.tok += context
         r.busy_until = max(r.busy_until, self.t) + self.prefill_time(r.role, int(context))
@@ -223,6 +225,7 @@ class SimCluster:
             self._schedule(r)
             return round(context)
         s = r.seqs.pop(seq_id)
+        del r.offsets[seq_id]
         length = r.length(s)
         r.tok -= length
         self._progress[(r.role, seq_id)] = s.generated0 + (r.iters - s.base)
@@ -244,6 +247,7 @@ class SimCluster:
             if len(r.seqs) <= 1 or r.tok + RETRACT_HEADROOM * len(r.seqs) <= cap:
                 break
             del r.seqs[sid]
+            del r.offsets[sid]
             length = r.length(s)
             r.tok -= length
             target = self._targets[(r.role, sid)][0]
@@ -263,7 +267,7 @@ class SimCluster:
             if r.lengths_cache is None:
                 n, w = len(r.seqs), len(r.waiting)
                 sid = np.fromiter(r.seqs, np.int64, n)
-                off = np.fromiter((s.length0 - s.base for s in r.seqs.values()), float, n)
+                off = np.fromiter(r.offsets.values(), float, n)  # same order as r.seqs
                 wid = np.fromiter(r.waiting, np.int64, w)
                 wlen = np.fromiter((x[0] for x in r.waiting.values()), float, w)
                 # running sequences grow with the replica's iteration count, waiting ones not
@@ -336,6 +340,7 @@ class SimCluster:
             while r.next_finish() <= r.iters + 1e-6:
                 _, sid = heapq.heappop(r.finishing)
                 s = r.seqs.pop(sid)
+                del r.offsets[sid]
                 length = r.length(s)
                 r.tok -= length
                 target, payload_ = self._targets.pop((r.role, sid))

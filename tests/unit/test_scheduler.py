@@ -144,6 +144,21 @@ def test_clone_is_independent() -> None:
     c.check_invariants()
 
 
+def test_a_live_clone_survives_changes_to_the_original() -> None:
+    """Clones share the sequence tables copy-on-write, in both directions."""
+    s = make(2, 10_000, [100] * 10)
+    s.dispatch()
+    c = s.clone()
+    n_seq, lengths = c.n_seq, [c.sequence(i).length for i in range(10)]
+    s.submit(SeqState(99, 50))
+    s.set_lengths({i: 200 for i in range(10)})
+    s.finish(3)
+    assert c.n_seq == n_seq and [c.sequence(i).length for i in range(10)] == lengths
+    assert 99 not in c and 3 in c
+    c.check_invariants()
+    s.check_invariants()
+
+
 def test_finish_and_compaction_keep_state_consistent() -> None:
     s = Scheduler("rollout")
     s.add_replica("rollout:0", 10**9, MODEL)
