@@ -131,7 +131,8 @@ class Coordinator:
         self.tokens_total = 0  # rollout + reward tokens of completed steps (§8.1 throughput)
         self.first_step_start = float("inf")
         self.last_step_end = 0.0
-        self.stall_s = 3600.0  # no event for this long while work remains: a bug, not a wait
+        # no event for this long while work remains (and no training step runs): a bug
+        self.stall_s = 3600.0
         # Graceful stop (a signal): once `stop_requested()` is true the coordinator drains —
         # no new rollouts, dispatches, shifts or training — until no training step runs,
         # then `run` returns with `stopped` set, leaving a state a checkpoint can hold.
@@ -160,7 +161,7 @@ class Coordinator:
             for ev in events:
                 self.handle(ev)
             self.activate_arrived()
-            if events:
+            if events or self.training.busy:  # a training step may take hours: not a stall
                 last_event = self.cluster.now()
                 if not self.draining:
                     self.mode.on_change(self)

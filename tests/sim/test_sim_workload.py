@@ -200,3 +200,10 @@ def test_a_model_outside_the_catalog_without_profile_is_one_clear_error(tmp_path
     prof.write_text("throughput: {A: 2.0e-7, B: 8.0e-3, C: 3.0e-4, D: 1.0e-3}\n")
     with pytest.raises(CatalogError, match="needs a `model:` section"):
         build(load_config(None, [*SMALL, "sim.policy_model=my-8b", f"sim.rollout_profile={prof}"]))
+
+
+def test_a_training_step_longer_than_the_stall_limit_is_not_a_stall() -> None:
+    coord, cluster, _ = build(load_config(None, [*SMALL, "deployment.mode=disaggregated"]))
+    coord.stall_s = 1.0  # every training step of this run takes longer than that
+    coord.run()
+    assert coord.rl.version == 2
