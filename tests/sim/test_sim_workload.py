@@ -203,7 +203,9 @@ def test_a_model_outside_the_catalog_without_profile_is_one_clear_error(tmp_path
 
 
 def test_a_training_step_longer_than_the_stall_limit_is_not_a_stall() -> None:
+    import dataclasses
+
     coord, cluster, _ = build(load_config(None, [*SMALL, "deployment.mode=disaggregated"]))
-    coord.stall_s = 1.0  # every training step of this run takes longer than that
-    coord.run()
-    assert coord.rl.version == 2
+    cluster.training = dataclasses.replace(cluster.training, publish_s=2 * coord.stall_s)
+    coord.run()  # each step trains for two hours of simulated time
+    assert coord.rl.version == 2 and cluster.now() > 4 * coord.stall_s
