@@ -44,11 +44,7 @@ class Cited:
     """A calibration number and where it comes from."""
 
     value: float
-    source: str
-
-    @property
-    def kind(self) -> str:
-        return self.source.split(":", 1)[0]
+    source: str  # "measured: …", "fitted: …" or "assumed: …"
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -441,10 +440,6 @@ class TrainingCosts:
         per_gpu = self.flops_per_s / self.gpus
         return (self.flops_per_token + self.attn_flops_per_token2 * length) / per_gpu
 
-    @property
-    def step_s_per_token(self) -> float:
-        return self.flops_per_token / self.flops_per_s
-
     def step_time(self, lengths: list[int] | np.ndarray) -> float:
         """Seconds for one step over sequences of these lengths (prompt + response)."""
         x = np.asarray(lengths, dtype=float)
@@ -503,8 +498,3 @@ def training_costs(
         shift_down_s={"offload_s": optimizer_node / host, "discard_s": s.train_stop_s.value},
         publish_s=write,
     )
-
-
-@lru_cache(maxsize=64)
-def cached_inference_costs(model: str, hw: str, tp: int) -> InferenceCosts:
-    return inference_costs(MODELS[model], HARDWARE[hw], tp)
