@@ -7,9 +7,10 @@ creates the HF model creates this one, so the conversion in `convert.py` is tota
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
-import socket
+import shutil
 import tempfile
 
 import torch
@@ -18,11 +19,16 @@ import torch.distributed as dist
 from pivot_hpc.engines import megatron_cpu_shim
 from pivot_hpc.models.config import ModelConfig
 
+# A file the ranks of one host rendezvous through (set by the live runtime on one node):
+# no TCP store listening on every interface, no port picked by bind-and-close.
+STORE_ENV = "PIVOT_HPC_STORE"
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
+def private_store() -> str:
+    """A rendezvous file in a new private (0700) directory, removed when the process ends."""
+    d = tempfile.mkdtemp(prefix="pivot_pg_")
+    atexit.register(shutil.rmtree, d, True)
+    return os.path.join(d, "store")
 
 
 def select_cuda_device(device: int | None = None) -> int:
@@ -62,10 +68,12 @@ def init_distributed(
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         if init_method is None:
-            if "MASTER_ADDR" in os.environ:
+            if os.environ.get(STORE_ENV):
+                init_method = f"file://{os.environ[STORE_ENV]}"
+            elif "MASTER_ADDR" in os.environ:
                 init_method = "env://"
             elif world_size == 1:
-                init_method = f"file://{tempfile.mkdtemp(prefix='pivot_pg_')}/store"
+                init_method = f"file://{private_store()}"
             else:
                 raise RuntimeError("init_distributed: pass init_method for a multi-process world")
         backend = "gloo" if on_cpu else "nccl"

@@ -27,6 +27,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rendezvous(comm, cfg: Config) -> None:
+    """How the training ranks' torch.distributed world meets. On one node: through a file
+    in a private directory of world rank 0's (no TCP store listening on every interface,
+    no port race), and gloo/NCCL sockets on loopback. Across nodes: a TCP store at
+    MASTER_ADDR on a port world rank 0 picks."""
+    from pivot_hpc.engines.megatron_model import STORE_ENV, private_store
+
+    if cfg.cluster.nodes == 1:
+        os.environ[STORE_ENV] = comm.bcast(private_store() if comm.Get_rank() == 0 else None)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    else:
+        os.environ["MASTER_PORT"] = str(comm.bcast(_free_port() if comm.Get_rank() == 0 else None))
+
+
 def _state_dict_loader(path: Path):
     """name -> tensor of a saved HF model (read once, only on host ranks that ask)."""
     cache: dict = {}
@@ -75,7 +90,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
 
             dirs = ensure_models(cfg.models, progress=True)
         dirs = comm.bcast(dirs, root=0)
-        os.environ["MASTER_PORT"] = str(comm.bcast(_free_port() if lay.rank == 0 else None))
+        _rendezvous(comm, cfg)
         from pivot_hpc.gps import GlobalParameterStorage, ModelSpec
 
         gps = GlobalParameterStorage(
