@@ -69,6 +69,12 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+def touched_fraction(n: float, experts: int, active: int) -> float:
+    """Expected fraction of E experts that n tokens, each routed to k of them uniformly,
+    touch: 1 − (1 − k/E)^n."""
+    return 1.0 - (1.0 - active / experts) ** n
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -144,7 +150,7 @@ class ModelSpec:
         """Expected distinct experts per layer touched by n tokens (uniform top-k routing)."""
         if not self.experts or n <= 0:
             return 0.0
-        return self.experts * (1.0 - (1.0 - self.experts_active / self.experts) ** n)
+        return self.experts * touched_fraction(n, self.experts, self.experts_active)
 
     def weight_bytes_read(self, n: float) -> float:
         """Weight bytes one decode step of n sequences streams (whole replica)."""
@@ -219,8 +225,8 @@ class DecodeCost:
     def B(self, n: float) -> float:
         if not self.experts:
             return self.B_dense
-        k, e = self.experts_active, self.experts
-        return self.B_dense + self.B_experts * (1.0 - (1.0 - k / e) ** max(n, 1.0))
+        touched = touched_fraction(max(n, 1.0), self.experts, self.experts_active)
+        return self.B_dense + self.B_experts * touched
 
     def fixed(self, n: float) -> float:
         """The part of a step that does not depend on the tokens held."""
@@ -255,9 +261,7 @@ class InferenceCosts:
         """Step time at zero tokens held (the simulator's per-membership constant)."""
         if self.decode is not None:
             return self.decode.fixed(n)
-        m = self.model
-        c = m.C * n
-        return (m.B if m.B > c else c) + m.D
+        return self.model.latency(n, 0)
 
     @property
     def A(self) -> float:
@@ -336,6 +340,19 @@ def inference_costs(
     )
 
 
+def read_profile(path: str | Path) -> dict:
+    """A `pivot-hpc profile` YAML file as a mapping ({} for an empty file)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise CatalogError(f"{path}: unreadable profile ({str(exc).splitlines()[0]})") from None
+    if not isinstance(doc, dict):
+        raise CatalogError(f"{path}: a profile is a mapping; write one with `pivot-hpc profile`")
+    return doc
+
+
 def with_max_running(costs: InferenceCosts, max_running: int) -> InferenceCosts:
     """The same engine with another running-request cap."""
     return dataclasses.replace(
@@ -353,9 +370,7 @@ def from_profile(costs: InferenceCosts, path: str | Path) -> InferenceCosts:
     """The user's own engine profile (`pivot-hpc profile` YAML): its A-D drive both the
     simulated engine and the scheduler; `kv_capacity_tokens` in the file replaces the
     catalog's capacity. Shift and prefill costs stay the catalog's."""
-    import yaml
-
-    doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    doc = read_profile(path)
     try:
         t = doc["throughput"]
         model = ThroughputModel(
@@ -385,10 +400,7 @@ PROFILE_MODEL_KEYS = ("params", "layers", "hidden", "heads", "kv_heads", "head_d
 def model_from_profile(name: str, path: str | Path) -> ModelSpec:
     """A model that is not in the catalog, described by the `model:` section of a profile
     file (params, layers, hidden, heads, kv_heads, head_dim: the model's config.json)."""
-    import yaml
-
-    doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    m = doc.get("model") if isinstance(doc, dict) else None
+    m = read_profile(path).get("model")
     missing = [k for k in PROFILE_MODEL_KEYS if not isinstance(m, dict) or k not in m]
     if missing:
         raise CatalogError(

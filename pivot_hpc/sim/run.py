@@ -46,12 +46,12 @@ def role_model(cfg: Config, role: str) -> ModelSpec:
     return model_from_profile(name, profile)
 
 
-def role_costs(cfg: Config) -> dict[str, InferenceCosts]:
+def role_costs(cfg: Config, models: dict[str, ModelSpec]) -> dict[str, InferenceCosts]:
     """Inference costs of both roles: catalog × calibration, or the user's own profiles."""
     hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
     out = {}
     for role, profile in (("rollout", cfg.sim.rollout_profile), ("reward", cfg.sim.reward_profile)):
-        costs = inference_costs(role_model(cfg, role), hw, getattr(cfg, role).tp)
+        costs = inference_costs(models[role], hw, getattr(cfg, role).tp)
         if cfg.sim.max_running_requests is not None:
             costs = with_max_running(costs, cfg.sim.max_running_requests)
         if profile is not None:
@@ -63,7 +63,7 @@ def role_costs(cfg: Config) -> dict[str, InferenceCosts]:
 def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
     hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
     policy, judge = role_model(cfg, "rollout"), role_model(cfg, "reward")
-    costs = role_costs(cfg)
+    costs = role_costs(cfg, {"rollout": policy, "reward": judge})
     mode_name = cfg.deployment.mode
     n = cfg.cluster.total_gpus
     training = list(range(n)) if mode_name == "colocated" else cfg.training_gpus()
