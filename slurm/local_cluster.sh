@@ -9,7 +9,8 @@
 #   slurm/local_cluster.sh env [--dir DIR]             print `export SLURM_CONF=…`
 #
 # DIR (default $PIVOT_SLURM_DIR or /tmp/pivot-slurm) holds slurm.conf, controller state,
-# slurmd spool directories, pid files and logs (DIR/log/*.log). `start` installs
+# slurmd spool directories, pid files and logs (DIR/log/*.log); it is created with mode
+# 700, and an existing DIR must be yours with mode 700 (else `start` refuses it). `start` installs
 # slurm-wlm, munge and libpmix-dev with apt-get if they are missing, starts munged,
 # slurmctld and the slurmd(s), and returns once every node is idle. It is idempotent: with
 # the same configuration already running it only checks the nodes; with a different one
@@ -65,7 +66,20 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-mkdir -p "$DIR" 2>/dev/null || die "cannot create the state directory DIR=$DIR (pass --dir or set PIVOT_SLURM_DIR)"
+# DIR holds the configuration every Slurm daemon (run as root) reads and the spool of every
+# job: it must be ours and private. A directory someone else made (the default is a fixed
+# name under /tmp), or one others can write, is refused rather than reused.
+[ -L "$DIR" ] && die "DIR=$DIR is a symbolic link: remove it or pass --dir a real directory"
+if [ ! -e "$DIR" ]; then
+  (umask 077 && mkdir -p "$DIR") 2>/dev/null || die "cannot create the state directory DIR=$DIR (pass --dir or set PIVOT_SLURM_DIR)"
+fi
+[ -d "$DIR" ] || die "DIR=$DIR is not a directory: remove it or pass --dir"
+owner=$(stat -c %u "$DIR")
+[ "$owner" = "$(id -u)" ] ||
+  die "DIR=$DIR belongs to uid $owner, not to you: someone else made it; remove it or pass --dir"
+mode=$(stat -c %a "$DIR")
+(((8#$mode & 8#077) == 0)) ||
+  die "DIR=$DIR has mode $mode (others can use it): chmod 700 $DIR, or pass --dir"
 DIR=$(cd "$DIR" && pwd)
 CONF=$DIR/slurm.conf
 export SLURM_CONF=$CONF

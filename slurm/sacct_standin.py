@@ -12,8 +12,10 @@ line in sacct's `--parsable2` format (`|`-separated, header unless -n) with the 
 asked by -o/--format (JobID, JobIDRaw, JobName, State, NodeList, ExitCode, Partition,
 Restarts, Elapsed; others are empty). Array tasks print as `ARRAY_TASK`. Jobs that the
 controller has already forgotten (MinJobAge) are answered from a small cache of the last
-state seen ($PIVOT_SACCT_CACHE, default /tmp/pivot-sacct-cache). Options it does not know
-are ignored; output is always `--parsable2` style.
+state seen ($PIVOT_SACCT_CACHE, default ~/.cache/pivot_hpc/sacct-cache.json, in a
+directory only its owner can open; a cache file someone else owns or can write is
+ignored, since job states decide whether submitit reports success). Options it does not
+know are ignored; output is always `--parsable2` style.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ KEYS = {  # sacct field → scontrol key
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "PREEMPTED"}  # fmt: skip
 TOKEN = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")
-CACHE = Path(os.environ.get("PIVOT_SACCT_CACHE", "/tmp/pivot-sacct-cache"))
+CACHE = Path(
+    os.environ.get("PIVOT_SACCT_CACHE")
+    or Path.home() / ".cache" / "pivot_hpc" / "sacct-cache.json"
+)
 
 
 def real_sacct() -> str | None:
@@ -125,18 +130,38 @@ def row(rec: dict[str, str], fields: list[str]) -> str:
     return "|".join(out)
 
 
-def load_cache() -> dict[str, list[dict[str, str]]]:
+def trusted(path: Path) -> bool:
+    """Ours, a plain file, and nobody else can write it (nor its directory)."""
     try:
-        return json.loads(CACHE.read_text())
+        for p, st in ((path, path.lstat()), (path.parent, path.parent.stat())):
+            if st.st_uid != os.getuid() or st.st_mode & 0o022:
+                return False
+        return path.is_file() and not path.is_symlink()
+    except OSError:
+        return False
+
+
+def load_cache() -> dict[str, list[dict[str, str]]]:
+    if not trusted(CACHE):
+        return {}
+    try:
+        data = json.loads(CACHE.read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def save_cache(cache: dict[str, list[dict[str, str]]]) -> None:
     try:
-        tmp = CACHE.with_name(f"{CACHE.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(dict(list(cache.items())[-2000:])))
-        tmp.replace(CACHE)
+        CACHE.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(
+            CACHE.with_name(f"{CACHE.name}.{os.getpid()}"),
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+            0o600,
+        )
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(dict(list(cache.items())[-2000:])))
+        os.replace(CACHE.with_name(f"{CACHE.name}.{os.getpid()}"), CACHE)
     except OSError:
         pass
 

@@ -17,6 +17,9 @@ class CheckpointConfig:
     keep: int = 2  # complete checkpoints kept; older ones are deleted after a new one lands
     on_signal: bool = True  # SIGUSR1 / SIGTERM: checkpoint, then exit 3 (requeue me)
     resume: bool = True  # False: refuse to start in a run dir that has checkpoints
+    # the run directory (weights, RL state, telemetry) readable by its owner only: umask
+    # 077 on every rank, a new run dir 700; False keeps your umask (e.g. to share a group)
+    private_run_dir: bool = True
 
     def validate(self, path: str) -> None:
         if self.interval_steps < 0:

@@ -143,6 +143,10 @@ def verify(path: Path) -> dict[str, Any]:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({e}); {fix}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST} holds a {type(manifest).__name__}, not an object; {fix}"
+        )
     pickles = sorted(
         str(p.relative_to(path))
         for p in path.rglob("*")
@@ -159,6 +163,9 @@ def verify(path: Path) -> dict[str, Any]:
             f"checkpoint {path}: format {manifest.get('format')!r}, this pivot_hpc reads "
             f"format {FORMAT}; {fix}"
         )
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} {problem}; {fix}")
     for rel, want in manifest["files"].items():
         p = path / rel
         if not p.is_file():
@@ -177,6 +184,25 @@ def verify(path: Path) -> dict[str, Any]:
         except UnsafePickleError as exc:
             raise CheckpointError(f"checkpoint {path}: {exc}") from None
     return manifest
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the shape of a format-2 manifest (None: nothing)."""
+    step = manifest.get("step")
+    if type(step) is not int or step < 0:
+        return f"has step {step!r}, not a whole number >= 0"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "lists no files (key 'files' must map each file to its bytes and crc32)"
+    for rel, want in files.items():
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not parts:
+            return f"names {rel!r}, outside the checkpoint directory"
+        if not isinstance(want, dict) or not all(
+            type(want.get(k)) is int for k in ("bytes", "crc32")
+        ):
+            return f"entry {rel!r} is {want!r}, not {{'bytes': int, 'crc32': int}}"
+    return None
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -203,7 +229,20 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 def check_resumable(path: Path, current: dict[str, Any]) -> dict[str, Any]:
     """Verify checkpoint `path` and that `current` (the new run's config) may resume it."""
     manifest = verify(path)
-    saved = yaml.safe_load((path / "config.yaml").read_text())
+    saved_file = path / "config.yaml"
+    try:
+        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise CheckpointError(
+            f"checkpoint {path}: unreadable config.yaml ({str(e).splitlines()[0]}); delete "
+            f"{path} to resume from the previous checkpoint, or start a new --run-dir"
+        ) from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"checkpoint {path}: config.yaml holds a {type(saved).__name__}, not a config "
+            f"mapping; delete {path} to resume from the previous checkpoint, or start a new "
+            "--run-dir"
+        )
     diff = config_differences(saved, current)
     if diff:
         shown = "; ".join(diff[:8]) + (f"; … {len(diff) - 8} more" if len(diff) > 8 else "")

@@ -120,6 +120,7 @@ class PivotJob(Checkpointable):
     def __call__(self) -> dict[str, Any]:
         from submitit import JobEnvironment
 
+        from pivot_hpc.runtime import run_dir as run_dirs
         from pivot_hpc.runtime import stop
         from pivot_hpc.runtime.main import run_in_world
 
@@ -135,8 +136,8 @@ class PivotJob(Checkpointable):
                 f"run dir {run_dir}",
                 flush=True,
             )
-        run_dir.mkdir(parents=True, exist_ok=True)
         cfg = self.make_config()
+        run_dirs.prepare(run_dir, cfg.checkpoint.private_run_dir)
         code = run_in_world(cfg, run_dir)
         if code == 0:
             return {
@@ -270,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--nodes={args.nodes}: need at least 1 node")
         overrides.append(f"cluster.nodes={args.nodes}")
     cfg = load_config(args.config, overrides)  # validated before anything is submitted
+    from pivot_hpc.runtime.world import check_live_config
+
+    check_live_config(cfg)
     if args.run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.run_dir = f"runs/{Path(args.config).stem}-{stamp}"

@@ -98,7 +98,7 @@ class LiveCheckpointer:
         )
         for f in self.policy_dir.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
-                shutil.copy2(f, tmp / "policy" / f.name)
+                shutil.copyfile(f, tmp / "policy" / f.name)  # mode from the umask
         policy_s = time.perf_counter() - t0
         # 2. ranks: RNG states; training state on the training ranks
         ranks, train_s = self.cluster.save_ranks(str(tmp))
@@ -193,7 +193,7 @@ def restore(path: Path, step: int, cluster, rl, samples) -> tuple[dict[str, Any]
         "resume_step": step,
         "restore_s": workers_s,  # the slowest worker's own restore
         "resume_wait_s": time.monotonic() - t0,  # incl. waiting for workers to start
-        "resume_gap_s": time.time() - manifest["created_unix"],  # since the save
+        "resume_gap_s": _since(manifest.get("created_unix")),  # since the save
     }
     partials = state["partials"]
     print(
@@ -212,3 +212,10 @@ def requeue_restored(coord, cluster, state: dict[str, Any]) -> None:
     cluster.set_partials(partials)
     coord.restore(coord.rl.batches, {k: len(r.token_ids) for k, r in partials.items()})
     coord.stats.rewards = list(state["rewards"])
+
+
+def _since(created_unix) -> float:
+    """Seconds since a manifest's save time (NaN when it does not say)."""
+    if isinstance(created_unix, int | float) and not isinstance(created_unix, bool):
+        return time.time() - created_unix
+    return float("nan")

@@ -23,23 +23,29 @@ from pivot_hpc.errors import PivotError
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
-def _rendezvous(comm, cfg: Config) -> None:
+def _rendezvous(comm, cfg: Config, lay) -> None:
     """How the training ranks' torch.distributed world meets. On one node: through a file
     in a private directory of world rank 0's (no TCP store listening on every interface,
-    no port race), and gloo/NCCL sockets on loopback. Across nodes: a TCP store at
-    MASTER_ADDR on a port world rank 0 picks."""
+    no port race), and gloo/NCCL sockets on loopback. Across nodes: a TCP store on the
+    host of the first training rank (it hosts the store), by host name, on a port that rank
+    found free on its own host."""
     from pivot_hpc.engines.megatron_model import STORE_ENV, private_store
 
     if cfg.cluster.nodes == 1:
         os.environ[STORE_ENV] = comm.bcast(private_store() if comm.Get_rank() == 0 else None)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    else:
-        os.environ["MASTER_PORT"] = str(comm.bcast(_free_port() if comm.Get_rank() == 0 else None))
+        return
+    from pivot_hpc.planner import Topology
+
+    master = lay.rank_of_gpu(Topology.from_config(cfg).training_gpus[0])  # its RANK 0
+    offer = (socket.gethostname(), _free_port()) if comm.Get_rank() == master else None
+    host, port = comm.bcast(offer, root=master)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
 
 
 def _state_dict_loader(path: Path):
@@ -62,9 +68,11 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
     from mpi4py import MPI
 
     from pivot_hpc.runtime import stop
+    from pivot_hpc.runtime.library_noise import route_to_log
     from pivot_hpc.runtime.world import check_launch, layout
 
     comm = MPI.COMM_WORLD
+    route_to_log(run_dir, comm.Get_rank())
     torch.set_num_threads(1)
     if cfg.checkpoint.on_signal:
         stop.install()
@@ -90,7 +98,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
 
             dirs = ensure_models(cfg.models, progress=True)
         dirs = comm.bcast(dirs, root=0)
-        _rendezvous(comm, cfg)
+        _rendezvous(comm, cfg, lay)
         from pivot_hpc.gps import GlobalParameterStorage, ModelSpec
 
         gps = GlobalParameterStorage(

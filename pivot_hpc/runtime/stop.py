@@ -5,6 +5,10 @@ by slurm/pivot.sbatch) and SIGTERM on preemption or `scancel`. Every rank instal
 same handler; only the coordinator acts on it (it drains, checkpoints and tells all ranks
 to exit), the others keep serving until it does. A second signal is not needed and
 changes nothing.
+
+`pivot-hpc run` on a workstation passes a SIGTERM it receives on as SIGUSR2
+(`FORWARDED_TERM`): mpirun forwards USR1/USR2 to the ranks but kills them on TERM. The
+ranks record it as the SIGTERM it was.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import signal
 
 EXIT_REQUEUE = 3  # "checkpointed, not finished: run me again with the same run dir"
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+FORWARDED_TERM = signal.SIGUSR2
 
 _requested: str | None = None
 
@@ -20,11 +25,12 @@ _requested: str | None = None
 def _handler(signum, _frame) -> None:
     global _requested
     if _requested is None:
+        signum = signal.SIGTERM if signum == FORWARDED_TERM else signum
         _requested = signal.Signals(signum).name
 
 
 def install() -> None:
-    for s in SIGNALS:
+    for s in (*SIGNALS, FORWARDED_TERM):
         signal.signal(s, _handler)
 
 

@@ -58,7 +58,19 @@ def check_launch(cfg: Config, size: int) -> None:
             "+ 1 host rank); launch with that many tasks (sbatch --ntasks-per-node="
             f"{cfg.cluster.gpus_per_node + 1}) or change cluster.*"
         )
-    for role in ("rollout", "reward"):  # (the simulator runs any tp with any engine)
+    check_live_config(cfg)
+    ntasks = os.environ.get("SLURM_NTASKS")
+    if ntasks is not None and int(ntasks) != size:
+        raise LayoutError(
+            f"SLURM_NTASKS={ntasks} but COMM_WORLD has {size} ranks: the MPI library did not "
+            "form one world (use srun --mpi=pmix with OpenMPI)"
+        )
+
+
+def check_live_config(cfg: Config) -> None:
+    """What only a live run cannot do (the simulator runs any tp with any engine); the
+    launchers call this before starting anything, the world again on arrival."""
+    for role in ("rollout", "reward"):
         tp = getattr(cfg, role).tp
         if tp > 1 and getattr(cfg.engines, role).engine == "hf":
             raise LayoutError(
@@ -72,12 +84,6 @@ def check_launch(cfg: Config, size: int) -> None:
             f"training.num_gpus={n_train} is not a multiple of rl.trainer.tp="
             f"{cfg.rl.trainer.tp}: training runs tp-way tensor parallelism × "
             "num_gpus/tp-way data parallelism; make num_gpus a multiple of tp"
-        )
-    ntasks = os.environ.get("SLURM_NTASKS")
-    if ntasks is not None and int(ntasks) != size:
-        raise LayoutError(
-            f"SLURM_NTASKS={ntasks} but COMM_WORLD has {size} ranks: the MPI library did not "
-            "form one world (use srun --mpi=pmix with OpenMPI)"
         )
 
 

@@ -212,9 +212,20 @@ def read_attrs(f: h5py.File) -> dict[str, Any]:
 
 def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     with _open(path) as f:
-        attrs = read_attrs(f)
+        try:
+            attrs = read_attrs(f)
+        except (OSError, RuntimeError, ValueError, TypeError) as exc:
+            raise TelemetryError(
+                f"{path}: damaged file attributes ({str(exc).splitlines()[0][:200]}); "
+                "move the file aside (the run's other files still read)"
+            ) from None
         version = attrs.get("schema_version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise TelemetryError(
+                f"{path}: not a pivot_hpc telemetry file (schema_version {version!r}); "
+                "move it out of the telemetry directory"
+            )
+        if version > SCHEMA_VERSION:
             raise TelemetryError(
                 f"{path}: telemetry schema_version {version!r} is not readable by this "
                 f"pivot_hpc (reads <= {SCHEMA_VERSION}); upgrade pivot_hpc"

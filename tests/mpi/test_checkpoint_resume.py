@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import listeners
 import numpy as np
 import pytest
 from live import ROOT, run_command
@@ -89,14 +90,28 @@ def test_signal_checkpoints_partial_work_and_resume_trains_each_sample_once(
     run_dir, log = tmp_path / "signalled", tmp_path / "first.log"
     proc = start(run_dir, log, *BASE, delay_s=0.1)
     wait_for(log, "step 1/4", proc, timeout=300)
-    proc.send_signal(signal.SIGUSR1)  # what slurm/pivot.sbatch forwards before the limit
+    # nothing of the running job can be reached from another host
+    sockets = listeners.of_session(proc.pid)
+    exposed = [s for s in sockets if not (s.loopback or s.private_netns)]
+    assert not exposed, f"listening beyond loopback: {exposed}\n{log.read_text()[-2000:]}"
+    # the step lines of the first batches can come all at once, the moment the next batch
+    # starts: give it a second of (slowed) decoding so the stop has partial work to keep
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)  # scancel, preemption (SIGUSR1: tests/slurm)
     assert proc.wait(timeout=300) == 3, log.read_text()[-3000:]
     text = log.read_text()
-    assert "(SIGUSR1)" in text and "resume with the same command" in text
+    assert "stopped by SIGTERM" in text and "resume with the same command" in text
+    assert "aborted" not in text and "non-zero" not in text  # a clean stop looks clean
+    assert "UserWarning" not in text  # library noise is in logs/rank-*.log
+    assert any("Apex" in p.read_text() for p in (run_dir / "logs").glob("rank-*.log"))
 
     (ckpt,) = store.complete(run_dir)
     manifest = store.verify(ckpt)
-    assert manifest["reason"] == "SIGUSR1" and 1 <= manifest["step"] < 4
+    assert manifest["reason"] == "SIGTERM" and 1 <= manifest["step"] < 4
+    # weights, RL state and telemetry are the owner's only (checkpoint.private_run_dir)
+    for path in [run_dir, *run_dir.rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        assert mode & 0o077 == 0, f"{path} has mode {mode:o}"
     state = load_rl_state(ckpt)
     # the batches released beyond the checkpoint's step are kept, generated work included
     assert state["rl"]["released"] > manifest["step"]

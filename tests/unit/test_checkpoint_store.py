@@ -220,3 +220,68 @@ def test_run_dir_that_is_a_file_is_one_line_before_any_rank(tmp_path: Path, caps
         err = capsys.readouterr().err
         assert code == 2 and "is a file, not a directory" in err
         assert len(err.strip().splitlines()) == 1
+
+
+def reseal(path: Path) -> None:
+    """Rewrite the manifest's sizes and CRCs to match the files (a hand-edited checkpoint)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    for rel in manifest["files"]:
+        p = path / rel
+        manifest["files"][rel] = {"bytes": p.stat().st_size, "crc32": store._crc32(p)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def edit_manifest(**changes):
+    def apply(path: Path) -> None:
+        m = json.loads((path / "manifest.json").read_text())
+        for k, v in changes.items():
+            if v is ...:
+                m.pop(k)
+            else:
+                m[k] = v
+        (path / "manifest.json").write_text(json.dumps(m))
+
+    return apply
+
+
+def edit_config(text: bytes):
+    def apply(path: Path) -> None:
+        (path / "config.yaml").write_bytes(text)
+        reseal(path)
+
+    return apply
+
+
+MALFORMED = {
+    "manifest is a list": (lambda p: (p / "manifest.json").write_text("[]"), "holds a list"),
+    "manifest is binary": (
+        lambda p: (p / "manifest.json").write_bytes(b"\xff\xfe\x00"),
+        "unreadable manifest.json",
+    ),
+    "no files": (edit_manifest(files=...), "lists no files"),
+    "files is a list": (edit_manifest(files=["a"]), "lists no files"),
+    "no step": (edit_manifest(step=...), "has step None"),
+    "step is text": (edit_manifest(step="five"), "has step 'five'"),
+    "negative step": (edit_manifest(step=-1), "has step -1"),
+    "bad file entry": (edit_manifest(files={"rl_state.json": 3}), "entry 'rl_state.json' is 3"),
+    "path escapes": (
+        edit_manifest(files={"../../x": {"bytes": 1, "crc32": 0}}),
+        "outside the checkpoint directory",
+    ),
+    "config not yaml": (edit_config(b"a: [\n"), "unreadable config.yaml"),
+    "config not utf-8": (edit_config(b"\xff\xfe"), "unreadable config.yaml"),
+    "config a list": (edit_config(b"- 1\n- 2\n"), "config.yaml holds a list"),
+    "config of another shape": (edit_config(b"bogus: 1\n"), "different config"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_checkpoints_are_one_line_naming_the_file(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    damage, says = MALFORMED[case]
+    damage(write_ckpt(tmp_path, tiny_config(), 5))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-mpirun-here"))  # a launch would fail loudly
+    assert main(["run", TINY, "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err and "mpirun" not in err

@@ -481,3 +481,38 @@ def test_torn_and_bit_flipped_telemetry_reads_or_fails_in_seconds(tmp_path: Path
             assert len(r.stderr.strip().splitlines()) == 1, (kind, at, r.stderr)
             with pytest.raises(TelemetryError, match="alloc-001.h5"):
                 last_time(run)
+
+
+def _foreign_attrs(**attrs):
+    def make(path: Path) -> None:
+        with h5py.File(path, "w") as f:
+            for k, v in attrs.items():
+                f.attrs[k] = v
+
+    return make
+
+
+FOREIGN = {
+    "not hdf5": (lambda p: p.write_text("garbage"), "not an HDF5 file"),
+    "a directory": (lambda p: p.mkdir(), "unreadable"),
+    "an empty hdf5": (_foreign_attrs(), "not a pivot_hpc telemetry file"),
+    "text version": (_foreign_attrs(schema_version="two"), "not a pivot_hpc telemetry file"),
+    "future version": (_foreign_attrs(schema_version=99), "upgrade pivot_hpc"),
+    "bad json attrs": (
+        _foreign_attrs(schema_version=2, json_keys='["x"'),
+        "damaged file attributes",
+    ),
+    "missing datasets": (_foreign_attrs(schema_version=2), "is missing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOREIGN))
+def test_files_that_are_not_our_telemetry_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    make, says = FOREIGN[case]
+    (tmp_path / "telemetry").mkdir()
+    make(tmp_path / "telemetry" / "alloc-001.h5")
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "alloc-001.h5" in err and says in err

@@ -1,0 +1,44 @@
+"""The run directory: checked before anything starts, private unless the user says not.
+
+A run directory holds the policy's weights, the optimizer and RL state and the telemetry,
+so by default only its owner can read it: every rank runs with umask 077 (directories
+700, files 600) and a new run directory is made 700. `checkpoint.private_run_dir=false`
+keeps the user's umask (e.g. to share runs with a group); a directory the user made
+beforehand keeps the mode it has.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pivot_hpc.errors import UsageError
+
+PRIVATE_UMASK = 0o077
+PARTS = ("checkpoints", "telemetry", "logs")  # what a run writes under its directory
+
+
+def check(run_dir: Path) -> None:
+    """One clear line when `run_dir` cannot be a directory."""
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(
+                f"--run-dir {run_dir}: {parent} is a file, not a directory; choose another path"
+            )
+    for part in PARTS:
+        if (run_dir / part).exists() and not (run_dir / part).is_dir():
+            raise UsageError(
+                f"--run-dir {run_dir}: {run_dir / part} is a file where the run keeps its "
+                f"{part} directory; move it aside or choose another --run-dir"
+            )
+
+
+def prepare(run_dir: Path, private: bool) -> None:
+    """Set this process's umask (inherited by what it launches) and make `run_dir`."""
+    check(run_dir)
+    if private:
+        os.umask(PRIVATE_UMASK)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700 if private else 0o777)
+    except OSError as exc:
+        raise UsageError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
