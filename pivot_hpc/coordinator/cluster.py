@@ -6,11 +6,12 @@ All calls are non-blocking requests; completions come back as events from `poll`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from pivot_hpc.coordinator.events import Event, SequenceFinished
 from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.scheduler import SeqLengths
 
 
 class Cluster(Protocol):
@@ -42,7 +43,7 @@ class Cluster(Protocol):
         """The held-back finish of a sequence whose abort came too late (see `abort`)."""
         ...
 
-    def lengths(self, role: str) -> dict[int, int]:
+    def lengths(self, role: str) -> SeqLengths | Mapping[int, int]:
         """Current context length of every running sequence of `role` (monitor data)."""
         ...
 

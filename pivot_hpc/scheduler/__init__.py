@@ -7,6 +7,7 @@ from pivot_hpc.scheduler.scheduler import (
     ReplicaView,
     Scheduler,
     SchedulerError,
+    SeqLengths,
     SeqState,
 )
 from pivot_hpc.scheduler.throughput import (
@@ -26,6 +27,7 @@ __all__ = [
     "ReplicaView",
     "Scheduler",
     "SchedulerError",
+    "SeqLengths",
     "SeqState",
     "ThroughputModel",
     "evaluate_fit",

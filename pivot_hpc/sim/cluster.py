@@ -32,6 +32,7 @@ import numpy as np
 from pivot_hpc.coordinator.events import SequenceFinished, ShiftDone, TrainingDone, WeightsUpdated
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.planner.snapshot import TRAINING, role_of
+from pivot_hpc.scheduler import SeqLengths
 from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
 
 # event kinds, in tie-breaking order
@@ -258,11 +259,11 @@ class SimCluster:
     def take_finished(self, role: str, seq_id: int):
         raise RuntimeError("the simulator aborts synchronously; nothing is held back")
 
-    def lengths(self, role: str) -> dict[int, int]:
+    def lengths(self, role: str) -> SeqLengths:
         ids, lens = [], []
         for r in self._replicas.values():
-            if r.role != role:
-                continue
+            if r.role != role or not (r.seqs or r.waiting):
+                continue  # (an empty engine's clock is brought forward when work arrives)
             self._advance(r)
             if r.lengths_cache is None:
                 n, w = len(r.seqs), len(r.waiting)
@@ -279,9 +280,9 @@ class SimCluster:
             ids.append(sid)
             lens.append(cur)
         if not ids:
-            return {}
+            return SeqLengths(np.zeros(0, np.int64), np.zeros(0, np.int64))
         rounded = np.floor(np.concatenate(lens) + 0.5).astype(np.int64)
-        return dict(zip(np.concatenate(ids).tolist(), rounded.tolist(), strict=True))
+        return SeqLengths(np.concatenate(ids), rounded)
 
     def update_weights(self, rid: str, version: int) -> None:
         r = self._replicas[rid]
