@@ -145,6 +145,7 @@ class TrainBatch:
     old_logprobs: list[list[float]] | None = None  # rollout logprobs (behaviour policy)
     ref_logprobs: list[list[float]] | None = None  # for the optional KL term
     versions: list[int] | None = None  # policy version that generated each sequence
+    truncated: list[bool] | None = None  # True: cut at the length limit (no loss if masked)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

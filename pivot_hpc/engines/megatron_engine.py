@@ -16,6 +16,7 @@ parameters they belong to, so a checkpoint loads under another TP size too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ from pivot_hpc.engines.megatron_model import (
 )
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.rl.config import GRPOConfig, TrainerConfig
-from pivot_hpc.rl.grpo import ppo_clip_loss, sft_loss
+from pivot_hpc.rl.grpo import ppo_clip_loss, rollout_correction, sft_loss
 
 PAD_ID = 0
 MASTER_KEY = "fp32_param"  # checkpoint key of the master weights (bf16 models only)
@@ -49,7 +50,11 @@ class MegatronTrainEngine:
         model_cfg: ModelConfig,
         trainer: TrainerConfig | None = None,
         grpo: GRPOConfig | None = None,
+        *,
+        max_response_tokens: int | None = None,
     ) -> None:
+        """`max_response_tokens`: the response limit (the constant of the
+        "seq-mean-token-sum-norm" loss aggregation, which needs it)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -59,6 +64,9 @@ class MegatronTrainEngine:
         self.model_cfg = model_cfg
         self.cfg = trainer or TrainerConfig()
         self.grpo = grpo or GRPOConfig()
+        if self.grpo.loss_agg_mode == "seq-mean-token-sum-norm" and not max_response_tokens:
+            raise ValueError("seq-mean-token-sum-norm needs max_response_tokens (its constant)")
+        self.max_response_tokens = max_response_tokens
         init_distributed(self.cfg.tp, seed=self.cfg.seed)
         self.dtype = self.cfg.resolved_dtype(cuda=torch.cuda.is_available())
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -144,8 +152,12 @@ class MegatronTrainEngine:
         return logits.float().cpu()
 
     # ------------------------------------------------------------ log-probs
-    def _pack(self, batch: TrainBatch, rows: range) -> dict[str, torch.Tensor]:
-        """Right-padded tokens, next-token labels and a mask on response positions."""
+    def _pack(
+        self, batch: TrainBatch, rows: range, rollout: list[list[float]] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Right-padded tokens, next-token labels, a mask on response positions that carry
+        loss (none for a truncated sequence when `batch.truncated` says so), and with
+        `rollout` the rollout engine's logprobs (mismatch correction)."""
         seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
         s = max(len(x) for x in seqs)
         b = len(seqs)
@@ -154,19 +166,22 @@ class MegatronTrainEngine:
         mask = torch.zeros(b, s)
         old = torch.zeros(b, s)
         ref = torch.zeros(b, s)
+        ro = torch.zeros(b, s)
         for j, i in enumerate(rows):
             seq = seqs[j]
             p, r = len(batch.prompt_ids[i]), len(batch.response_ids[i])
             ids[j, : len(seq)] = torch.tensor(seq)
             labels[j, : len(seq) - 1] = torch.tensor(seq[1:])
             # position t predicts token t+1: response tokens are predicted at p-1 … p+r-2
-            mask[j, p - 1 : p + r - 1] = 1.0
+            mask[j, p - 1 : p + r - 1] = 0.0 if batch.truncated and batch.truncated[i] else 1.0
+            if rollout is not None:
+                ro[j, p - 1 : p + r - 1] = torch.tensor(rollout[i][:r])
             if batch.old_logprobs is not None:
                 old[j, p - 1 : p + r - 1] = torch.tensor(batch.old_logprobs[i][:r])
             if batch.ref_logprobs is not None:
                 ref[j, p - 1 : p + r - 1] = torch.tensor(batch.ref_logprobs[i][:r])
         adv = torch.tensor([batch.advantages[i] for i in rows]) if batch.advantages else None
-        out = {"ids": ids, "labels": labels, "mask": mask, "old": old, "ref": ref}
+        out = {"ids": ids, "labels": labels, "mask": mask, "old": old, "ref": ref, "rollout": ro}
         if adv is not None:
             out["adv"] = adv
         return {k: v.to(self.device) for k, v in out.items()}
@@ -209,11 +224,56 @@ class MegatronTrainEngine:
         return out
 
     # ------------------------------------------------------------ training
-    def _global_tokens(self, batch: TrainBatch) -> float:
-        n = torch.tensor([float(sum(len(r) for r in batch.response_ids))], device=self.device)
+    def _global_counts(
+        self, batch: TrainBatch, keep: list[torch.Tensor] | None = None
+    ) -> tuple[float, float]:
+        """(loss tokens, sequences with any) over the whole batch, all data-parallel ranks.
+        `keep`: per sequence, which response tokens still carry loss (masked IS)."""
+        tokens = seqs = 0.0
+        for i, r in enumerate(batch.response_ids):
+            if batch.truncated and batch.truncated[i]:
+                continue
+            k = float(keep[i].sum()) if keep is not None else float(len(r))
+            tokens += k
+            seqs += 1.0 if k > 0 else 0.0
+        n = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
         if self.dp > 1:
             dist.all_reduce(n, group=self.dp_group)
-        return float(n.item())
+        return float(n[0].item()), float(n[1].item())
+
+    def _mismatch(
+        self, batch: TrainBatch, trainer_old: list[list[float]]
+    ) -> tuple[dict[str, float], list[torch.Tensor] | None]:
+        """Rollout/trainer mismatch over this rank's loss tokens (metrics), and for masked
+        IS which tokens keep their loss."""
+        g = self.grpo
+        rows = [i for i in range(len(batch)) if not (batch.truncated and batch.truncated[i])]
+        old = [torch.tensor(trainer_old[i]) for i in range(len(batch))]  # as _pack packs
+        ro = [torch.tensor(batch.old_logprobs[i][: len(old[i])]) for i in range(len(batch))]
+        cat = torch.cat([old[i] for i in rows]) if rows else torch.zeros(0)
+        cat_ro = torch.cat([ro[i] for i in rows]) if rows else torch.zeros_like(cat)
+        _, _, metrics = rollout_correction(
+            cat,
+            cat_ro,
+            torch.ones_like(cat),
+            g.rollout_is,
+            g.rollout_is_threshold,
+            g.rollout_is_threshold_lower,
+        )
+        keep = None
+        if g.rollout_is == "mask":
+            keep = [
+                rollout_correction(
+                    old[i],
+                    ro[i],
+                    torch.ones_like(old[i]),
+                    "mask",
+                    g.rollout_is_threshold,
+                    g.rollout_is_threshold_lower,
+                )[1]
+                for i in range(len(batch))
+            ]
+        return metrics, keep
 
     def _grad_norm(self) -> float:
         """L2 norm of the full (unsharded) gradient: TP-sharded parts summed over ranks."""
@@ -245,16 +305,35 @@ class MegatronTrainEngine:
             raise ValueError("train_step(grpo): the batch needs advantages and old_logprobs")
         if self._host_optimizer_state is not None:
             self.reload_optimizer()
+        g = self.grpo
+        rollout = keep = None
+        mismatch: dict[str, float] = {}
+        if loss == "grpo" and g.recompute_old_logprobs:
+            # the old policy as the trainer sees it (weights before this update): the PPO
+            # ratio's denominator; the rollout's logprobs only measure/correct the mismatch
+            trainer_old = self.compute_logprobs(batch)
+            mismatch, keep = self._mismatch(batch, trainer_old)
+            rollout = batch.old_logprobs
+            batch = dataclasses.replace(batch, old_logprobs=trainer_old)
         self.model.train()
         self.model.zero_grad_buffer()
-        g = self.grpo
-        total = self._global_tokens(batch)
+        total, total_seqs = self._global_counts(batch, keep)
         # megatron's DDP averages gradients over data-parallel ranks; scale back so the
-        # loss is a token-level mean over the global batch.
-        norm = total / self.dp
+        # loss is a mean over the global batch (tokens or sequences, per loss_agg_mode).
+        norm, seq_norm = total / self.dp, total_seqs / self.dp
         sums: dict[str, float] = {}
         for rows in self._micro_batches(len(batch)):
-            pk = self._pack(batch, rows)
+            pk = self._pack(batch, rows, rollout)
+            is_w = None
+            if rollout is not None and loss == "grpo":
+                is_w, pk["mask"], _ = rollout_correction(
+                    pk["old"],
+                    pk["rollout"],
+                    pk["mask"],
+                    g.rollout_is,
+                    g.rollout_is_threshold,
+                    g.rollout_is_threshold_lower,
+                )
             temp = g.temperature if loss == "grpo" else 1.0
             lp = self._logprobs(pk["ids"], pk["labels"], temp)
             if loss == "sft":
@@ -272,6 +351,10 @@ class MegatronTrainEngine:
                     kl_coef=g.kl_coef,
                     ref_logprobs=pk["ref"] if batch.ref_logprobs is not None else None,
                     normalizer=norm,
+                    loss_agg_mode=g.loss_agg_mode,
+                    seq_normalizer=seq_norm,
+                    horizon=self.max_response_tokens,
+                    is_weights=is_w,
                 )
             value.backward()
             for k, v in parts.items():
@@ -299,6 +382,7 @@ class MegatronTrainEngine:
         tok = max(sums.pop("tokens", 0.0), 1.0)
         metrics = {k.removesuffix("_sum"): v / tok for k, v in sums.items()}
         metrics.update(grad_norm=grad_norm, lr=lr, tokens=tok, sequences=float(len(batch)))
+        metrics.update(mismatch)
         if batch.versions:
             metrics["staleness"] = sum(self.version - 1 - v for v in batch.versions) / len(batch)
         return metrics

@@ -26,8 +26,46 @@ class GRPOConfig:
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against `ref_logprobs`
     normalize_std: bool = True  # divide by the group's std (GRPO); False = Dr.GRPO
     temperature: float = 1.0  # rollout temperature; training logprobs use the same
+    # How token losses become the batch loss (veRL's names): "token-mean" = sum over every
+    # response token / their count (DAPO); "seq-mean-token-mean" = each sequence's token
+    # mean, averaged over sequences (GRPO paper); "seq-mean-token-sum" = each sequence's
+    # token sum, averaged over sequences; "seq-mean-token-sum-norm" = each sequence's token
+    # sum / rl.max_response_tokens, averaged over sequences (Dr.GRPO's constant normaliser).
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    # DAPO's overlong filtering: responses cut at rl.max_response_tokens carry no loss
+    # (their advantage still counts in their group's statistics)
+    mask_truncated: bool = False
+    # The trainer recomputes the old policy's logprobs with the weights before the update
+    # (one extra forward; veRL's default) and takes the PPO ratio against them. Off: the
+    # ratio is taken against the rollout engine's logprobs (no extra forward).
+    recompute_old_logprobs: bool = False
+    # Rollout/trainer mismatch correction (needs recompute_old_logprobs): per-token weight
+    # w = exp(logp_trainer_old − logp_rollout). "truncate": the loss is weighted by
+    # min(w, rollout_is_threshold) (TIS); "mask": tokens with w outside
+    # [rollout_is_threshold_lower, rollout_is_threshold] carry no loss (masked IS).
+    # Every step logs the mismatch (mean |Δlogp|, percentiles of w) when recomputing.
+    rollout_is: Literal["off", "truncate", "mask"] = "off"
+    rollout_is_threshold: float = 2.0
+    rollout_is_threshold_lower: float | None = None  # None: 1 / rollout_is_threshold
 
     def validate(self, path: str) -> None:
+        if self.rollout_is != "off" and not self.recompute_old_logprobs:
+            fail(
+                f"{path}.rollout_is",
+                self.rollout_is,
+                f"needs the trainer's old logprobs: set {path}.recompute_old_logprobs=true",
+            )
+        if self.rollout_is_threshold <= 0:
+            fail(f"{path}.rollout_is_threshold", self.rollout_is_threshold, "must be > 0")
+        low = self.rollout_is_threshold_lower
+        if low is not None and not 0 <= low < self.rollout_is_threshold:
+            fail(
+                f"{path}.rollout_is_threshold_lower",
+                low,
+                f"must be >= 0 and below rollout_is_threshold={self.rollout_is_threshold}",
+            )
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
             fail(f"{path}.clip_low", (self.clip_low, self.clip_high), "need 0 <= clip_low < 1")
         if self.dual_clip and self.dual_clip <= 1:
@@ -88,8 +126,17 @@ class RewardConfig:
     genrm_max_tokens: int = 96  # judgements are ~60 chars on the synthetic task
     genrm_temperature: float = 0.0  # greedy judgements
     genrm_reference: bool = True  # show the GenRM the reference answer (reference-guided)
+    # DAPO's soft overlong punishment, added to the verifiable reward: 0 up to
+    # rl.max_response_tokens − overlong_buffer_len tokens, then falling linearly to
+    # −overlong_penalty_factor at rl.max_response_tokens (0 = off)
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
     def validate(self, path: str) -> None:
+        if self.overlong_buffer_len < 0:
+            fail(f"{path}.overlong_buffer_len", self.overlong_buffer_len, "must be >= 0 (0 = off)")
+        if self.overlong_penalty_factor < 0:
+            fail(f"{path}.overlong_penalty_factor", self.overlong_penalty_factor, "must be >= 0")
         for name in ("verifiable_weight", "genrm_weight"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
@@ -128,3 +175,13 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     max_response_tokens: int = 64  # policy response limit (the paper: 15K)
+
+    def validate(self, path: str) -> None:
+        if self.max_response_tokens < 1:
+            fail(f"{path}.max_response_tokens", self.max_response_tokens, "must be >= 1")
+        if self.reward.overlong_buffer_len >= self.max_response_tokens:
+            fail(
+                f"{path}.reward.overlong_buffer_len",
+                self.reward.overlong_buffer_len,
+                f"must be below {path}.max_response_tokens={self.max_response_tokens}",
+            )

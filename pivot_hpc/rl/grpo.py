@@ -35,6 +35,90 @@ def group_advantages(
     return adv.tolist()
 
 
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+
+def aggregate(
+    loss_tok: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    tokens: float | None = None,
+    sequences: float | None = None,
+    horizon: int | None = None,
+) -> torch.Tensor:
+    """The batch loss from token losses [b, s] under `mode` (see GRPOConfig.loss_agg_mode).
+
+    `tokens` / `sequences` are the global counts of loss tokens / sequences the sum is
+    divided by (default: this batch's), so micro-batches and data-parallel ranks add up to
+    the loss of the whole batch. `horizon` is the constant length of
+    "seq-mean-token-sum-norm" (rl.max_response_tokens).
+    """
+    masked = loss_tok * mask
+    if mode == "token-mean":
+        n = float(mask.sum().item()) if tokens is None else float(tokens)
+        return masked.sum() / max(n, 1.0)
+    per_seq = masked.sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1.0)
+    elif mode == "seq-mean-token-sum-norm":
+        if not horizon:
+            raise ValueError("aggregate: seq-mean-token-sum-norm needs the horizon")
+        per_seq = per_seq / float(horizon)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"aggregate: loss_agg_mode={mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    n = float((mask.sum(-1) > 0).sum().item()) if sequences is None else float(sequences)
+    return per_seq.sum() / max(n, 1.0)
+
+
+def rollout_correction(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    upper: float,
+    lower: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Importance weights for the rollout/trainer mismatch: w = exp(old − rollout) per
+    token, where `old` is the trainer's logprob before the update and `rollout` the
+    engine's. Returns (weights to multiply the token losses by, the mask to use, metrics).
+
+    mode "truncate" (TIS): weights min(w, upper), mask unchanged; "mask": weights 1, and
+    tokens with w outside [lower, upper] (lower defaults to 1/upper) leave the mask;
+    "off": weights 1, mask unchanged (metrics only).
+    """
+    mask = mask.to(old_logprobs.dtype)
+    delta = (old_logprobs - rollout_logprobs).detach()
+    w = torch.exp(delta)
+    on = mask > 0
+    seen = w[on]
+    metrics: dict[str, float] = {
+        "mismatch_abs_logp": float(delta[on].abs().mean()) if on.any() else 0.0
+    }
+    if seen.numel():
+        q = torch.quantile(seen.double(), torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64))
+        metrics.update(is_ratio_p05=float(q[0]), is_ratio_p50=float(q[1]), is_ratio_p95=float(q[2]))
+    ones = torch.ones_like(w)
+    if mode == "truncate":
+        metrics["is_truncated_frac"] = (
+            float((seen > upper).double().mean()) if seen.numel() else 0.0
+        )
+        return w.clamp(max=upper), mask, metrics
+    if mode == "mask":
+        lo = 1.0 / upper if lower is None else lower
+        keep = (w >= lo) & (w <= upper)
+        metrics["is_masked_frac"] = float((~keep[on]).double().mean()) if seen.numel() else 0.0
+        return ones, mask * keep.to(mask.dtype), metrics
+    if mode != "off":
+        raise ValueError(f"rollout_correction: mode={mode!r}; valid: 'off', 'truncate', 'mask'")
+    return ones, mask, metrics
+
+
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -47,12 +131,18 @@ def ppo_clip_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     normalizer: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    seq_normalizer: float | None = None,
+    horizon: int | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level PPO-clip loss. Shapes: [b, s] (advantages [b] or [b, s]); mask is 1 on
-    response tokens. Returns (sum of token losses / normalizer, detached metrics sums).
+    """PPO-clip loss. Shapes: [b, s] (advantages [b] or [b, s]); mask is 1 on response
+    tokens that carry loss. Returns (the loss aggregated by `loss_agg_mode`, detached
+    metrics sums).
 
-    normalizer defaults to the number of masked tokens (DAPO's token-level mean); pass the
-    global token count when a batch is split into micro-batches.
+    normalizer / seq_normalizer: the global token / sequence count the sums are divided by
+    (default: this batch's); pass them when a batch is split into micro-batches.
+    is_weights multiply the policy-gradient term per token (rollout mismatch correction).
     """
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -65,6 +155,8 @@ def ppo_clip_loss(
     if dual_clip:
         # Dual clip (Ye et al. 2020): for A < 0 the loss is bounded by -A·c.
         pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * dual_clip), pg)
+    if is_weights is not None:
+        pg = pg * is_weights.detach()
     loss_tok = pg
     kl = torch.zeros_like(pg)
     if kl_coef > 0:
@@ -73,9 +165,14 @@ def ppo_clip_loss(
         d = ref_logprobs - logprobs
         kl = torch.exp(d) - d - 1.0  # k3 estimator, >= 0
         loss_tok = loss_tok + kl_coef * kl
-    n = float(mask.sum().item()) if normalizer is None else float(normalizer)
-    n = max(n, 1.0)
-    loss = (loss_tok * mask).sum() / n
+    loss = aggregate(
+        loss_tok,
+        mask,
+        loss_agg_mode,
+        tokens=normalizer,
+        sequences=seq_normalizer,
+        horizon=horizon,
+    )
     with torch.no_grad():
         clipped_frac = ((clipped > unclipped).to(mask.dtype) * mask).sum()
         metrics = {

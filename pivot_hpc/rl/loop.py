@@ -29,6 +29,7 @@ from pivot_hpc.rl.rewards import (
     combine,
     genrm_prompt,
     genrm_rewards,
+    overlong_penalty,
     score_answers,
     verifiable_reward,
 )
@@ -111,7 +112,10 @@ class LocalGRPO:
         self.rollout = HFEngine(policy, seed=self.cfg.trainer.seed)
         self.judge = Judge(HFEngine(genrm, num_threads=None), tok, self.cfg)
         self.trainer = MegatronTrainEngine(
-            arch or model_config_of(policy), self.cfg.trainer, self.cfg.grpo
+            arch or model_config_of(policy),
+            self.cfg.trainer,
+            self.cfg.grpo,
+            max_response_tokens=self.cfg.max_response_tokens,
         )
         self.trainer.load_weights(policy.state_dict())
         # KL reference: a frozen copy of the initial policy (only when the KL term is on)
@@ -178,6 +182,11 @@ class LocalGRPO:
         refs = [p.answer if self.cfg.reward.genrm_reference else None for p in group]
         rg = self.judge.rewards([p.question or p.prompt for p in group], texts, refs)
         rewards = combine(rv, rg, self.cfg.reward)
+        limit = self.cfg.max_response_tokens
+        rewards = [
+            x + overlong_penalty(len(r.token_ids), limit, self.cfg.reward)
+            for x, r in zip(rewards, res, strict=True)
+        ]
         adv = group_advantages(rewards, gids, normalize_std=g.normalize_std)
         batch = TrainBatch(
             prompt_ids=prompts,
@@ -186,6 +195,7 @@ class LocalGRPO:
             old_logprobs=[r.logprobs for r in res],
             versions=[r.version for r in res],
             ref_logprobs=self._ref_logprobs(prompts, [r.token_ids for r in res]),
+            truncated=[r.finish_reason == "length" for r in res] if g.mask_truncated else None,
         )
         metrics = self.trainer.train_step(batch)
         self.rollout.load_weights(self.trainer.export_weights(), self.trainer.version)

@@ -56,6 +56,18 @@ def is_correct(pred: str, gold: str) -> bool:
     return bool(verify(g, p, **vkw))
 
 
+def overlong_penalty(length: int, max_len: int, cfg: RewardConfig) -> float:
+    """DAPO's soft overlong punishment of a response of `length` tokens (limit `max_len`):
+    0 up to max_len − buffer, then linear down to −factor at max_len (and beyond)."""
+    buffer = cfg.overlong_buffer_len
+    if buffer <= 0:
+        return 0.0
+    over = length - (max_len - buffer)
+    if over <= 0:
+        return 0.0
+    return -cfg.overlong_penalty_factor * min(over / buffer, 1.0)
+
+
 def verifiable_reward(response: str, gold: str, cfg: RewardConfig | None = None) -> float:
     cfg = cfg or RewardConfig()
     pred = extract_answer(response)

@@ -17,7 +17,13 @@ from pivot_hpc.engines.base import SamplingParams, SeqResult, TrainBatch
 from pivot_hpc.models.sft import encode_prompt
 from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.rl.grpo import group_advantages
-from pivot_hpc.rl.rewards import GenRMStats, genrm_prompt, genrm_rewards, verifiable_reward
+from pivot_hpc.rl.rewards import (
+    GenRMStats,
+    genrm_prompt,
+    genrm_rewards,
+    overlong_penalty,
+    verifiable_reward,
+)
 
 
 @dataclass(slots=True)
@@ -76,7 +82,9 @@ class LiveSamples:
         rc = self.cfg.reward
         rv = verifiable_reward(self.text(pl.response.token_ids), pl.problem.answer, rc)
         (rg,) = genrm_rewards([pl.judgement], rc, self.genrm_stats)
-        return rc.verifiable_weight * rv, rc.genrm_weight * rg
+        # DAPO's overlong shaping rides on the verifiable part (0 when off)
+        shaped = overlong_penalty(len(pl.response.token_ids), self.cfg.max_response_tokens, rc)
+        return rc.verifiable_weight * rv + shaped, rc.genrm_weight * rg
 
     def batch(self, samples: list[Sample]) -> TrainBatch:
         rewards = [s.reward for s in samples]
@@ -89,4 +97,7 @@ class LiveSamples:
             advantages=adv,
             old_logprobs=[s.payload.response.logprobs for s in samples],
             versions=[s.payload.response.version for s in samples],
+            truncated=[s.payload.response.finish_reason == "length" for s in samples]
+            if self.cfg.grpo.mask_truncated
+            else None,
         )

@@ -145,6 +145,17 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
     return code
 
 
+def mismatch_summary(m: dict) -> str:
+    """The rollout/trainer mismatch of a step (when the trainer recomputes old logprobs)."""
+    if "mismatch_abs_logp" not in m:
+        return ""
+    out = f"  |Δlogp|={m['mismatch_abs_logp']:.4f} IS p95={m.get('is_ratio_p95', 1.0):.3f}"
+    for key, name in (("is_truncated_frac", "capped"), ("is_masked_frac", "masked")):
+        if key in m:
+            out += f" {name}={m[key]:.1%}"
+    return out
+
+
 def use_profiles(cfg: Config, dirs) -> None:
     """Throughput constants for the schedulers: the engine/model profile if one exists
     (`pivot-hpc profile` writes it), else a brief profile now, cached for the next run."""
@@ -322,7 +333,8 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
             f"reward {m['reward_tokens'] / span:.0f} tok/s  "
             f"alloc RO={a['rollout']} RM={a['reward']} TR={a['training']}  "
             f"reward={m['reward']:.3f} loss={m.get('loss', float('nan')):.4f}  "
-            f"shifts={coord.stats.shifts_up} queued={ro.n_queued}+{rm.n_queued}",
+            f"shifts={coord.stats.shifts_up} queued={ro.n_queued}+{rm.n_queued}"
+            f"{mismatch_summary(m)}",
             flush=True,
         )
 

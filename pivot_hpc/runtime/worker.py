@@ -283,7 +283,10 @@ class Worker:
         os.environ["RANK"] = str(self.training_ranks.index(self.comm.Get_rank()))
         os.environ["WORLD_SIZE"] = str(len(self.training_ranks))
         torch.set_num_threads(1)
-        return MegatronTrainEngine(model_config_of(model), self.cfg.rl.trainer, self.cfg.rl.grpo)
+        rl = self.cfg.rl
+        return MegatronTrainEngine(
+            model_config_of(model), rl.trainer, rl.grpo, max_response_tokens=rl.max_response_tokens
+        )
 
 
 def shard(batch, d: int, dp: int):
@@ -303,6 +306,7 @@ def shard(batch, d: int, dp: int):
         old_logprobs=pick(batch.old_logprobs),
         ref_logprobs=pick(batch.ref_logprobs),
         versions=pick(batch.versions),
+        truncated=pick(batch.truncated),
     )
 
 

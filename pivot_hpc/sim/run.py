@@ -83,7 +83,7 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
         shift_time=cfg.planner.shift_time_s,
     )
     terms = TrainingTerms(
-        recompute_old_logprobs=cfg.sim.recompute_old_logprobs,
+        recompute_old_logprobs=cfg.sim.recompute_old_logprobs or cfg.rl.grpo.recompute_old_logprobs,
         activation_recompute=cfg.sim.activation_recompute,
         reference_forward=cfg.rl.grpo.kl_coef > 0,
     )

@@ -73,6 +73,40 @@ def main() -> None:
             worst = max(worst, (want - torch.tensor(lp)).abs().max().item())
     res["logprob_max_diff"] = worst
     batch.old_logprobs = lps
+    # rollout/trainer mismatch correction: with rollout logprobs equal to the trainer's the
+    # recomputing engine (TIS on) takes exactly the plain engine's step
+    from pivot_hpc.rl.config import GRPOConfig
+
+    def grpo_engine(**kw) -> MegatronTrainEngine:
+        eng = MegatronTrainEngine(
+            arch,
+            TrainerConfig(tp=tp, lr=1e-3, grad_clip=1.0, micro_batch_size=3),
+            GRPOConfig(**kw),
+            max_response_tokens=8,
+        )
+        eng.load_weights(canonical)
+        return eng
+
+    tis = grpo_engine(recompute_old_logprobs=True, rollout_is="truncate", rollout_is_threshold=2.0)
+    res["tis_metrics"] = tis.train_step(batch)
+    ref = grpo_engine()
+    ref.train_step(batch)
+    res["tis_same_step"] = all(
+        torch.equal(a, b) for a, b in zip(tis.params, ref.params, strict=True)
+    )
+    noisy = [[x + 0.5 * (-1) ** t for t, x in enumerate(lp)] for lp in lps]
+    masked = grpo_engine(recompute_old_logprobs=True, rollout_is="mask", rollout_is_threshold=1.5)
+    res["mis_metrics"] = masked.train_step(
+        TrainBatch(
+            prompt_ids=prompts,
+            response_ids=responses,
+            advantages=batch.advantages,
+            old_logprobs=noisy,
+            truncated=[False, False, True, False],
+        )
+    )
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        res[f"agg_{mode}"] = grpo_engine(loss_agg_mode=mode).train_step(batch)["pg_loss"]
     m1 = e.train_step(batch)
     m2 = e.train_step(batch, loss="sft")
     res["grpo_metrics"] = m1

@@ -6,6 +6,7 @@ Each TP size runs in fresh subprocesses (megatron's parallel state is process-gl
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -91,6 +92,17 @@ def test_megatron_engine(which, request):
     assert res["ckpt_counters"] == [2, 2]
     assert res["offloaded_state_entries"] == 0
     assert res["continue_bitwise"]
+    # recompute + TIS with matching logprobs: no mismatch, the plain step bit for bit
+    tis = res["tis_metrics"]
+    assert res["tis_same_step"] and tis["mismatch_abs_logp"] <= 1e-6
+    assert tis["is_ratio_p05"] == pytest.approx(1.0, abs=1e-5) and tis["is_truncated_frac"] == 0
+    # masked IS on rollout logprobs off by ±0.5 (w = e^∓0.5, outside [1/1.5, 1.5]): every
+    # token masked; the truncated sequence (8 tokens) is left out of the loss and metrics
+    mis = res["mis_metrics"]
+    assert mis["mismatch_abs_logp"] == pytest.approx(0.5, abs=1e-4)
+    assert mis["is_masked_frac"] == 1.0 and mis["tokens"] == 1.0  # (0 tokens: floor 1)
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert math.isfinite(res[f"agg_{mode}"])
 
 
 def test_megatron_checkpoint_metadata_passes_the_pickle_scan(tp1):
