@@ -1,7 +1,29 @@
-"""Shared pytest setup: fast tests by default; each multi-process test carries a timeout."""
+"""Shared pytest setup: markers by directory, and every multi-process test has a timeout.
+
+`pytest -m "not slow"` is the fast tier a developer runs while working (under 2 minutes on
+2 cores; still touches every package); `bash tests/run_all.sh` runs everything (CI).
+Tests under tests/mpi are marked `mpi` and `slow`, under tests/slurm `slurm` and `slow`;
+single slow tests elsewhere carry `@pytest.mark.slow` themselves.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
+
+HERE = Path(__file__).parent
+BY_DIRECTORY = {"mpi": ("mpi", "slow"), "slurm": ("slurm", "slow"), "gpu": ("gpu",)}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            top = Path(item.fspath).relative_to(HERE).parts[0]
+        except ValueError:
+            continue
+        for name in BY_DIRECTORY.get(top, ()):
+            item.add_marker(getattr(pytest.mark, name))

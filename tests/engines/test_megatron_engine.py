@@ -78,7 +78,7 @@ def tp2(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("which", ["tp1", "tp2"])
+@pytest.mark.parametrize("which", ["tp1", pytest.param("tp2", marks=pytest.mark.slow)])
 def test_megatron_engine(which, request):
     res, _ = request.getfixturevalue(which)
     assert res["logits_max_diff"] <= 1e-5
@@ -112,6 +112,7 @@ def test_megatron_checkpoint_metadata_passes_the_pickle_scan(tp1):
     check_metadata(tp1[1] / "ckpt" / ".metadata")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tp2_trains_like_tp1(tp1, tp2):
     """Same batch, same init: the TP=2 step (sharded grads, TP-aware clipping) matches TP=1."""

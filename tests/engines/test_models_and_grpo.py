@@ -50,6 +50,7 @@ STEPS = 50  # GRPO steps of 16 prompts x 8 samples
 MARGIN = 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_grpo_raises_verifiable_reward(request):
     torch.set_num_threads(1)

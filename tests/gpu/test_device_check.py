@@ -133,6 +133,7 @@ def test_host_registration_pages_and_ownership(code, monkeypatch):
     assert not reg.ok
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cpu_dry_run_passes(tmp_path, monkeypatch):
     """Every section of the device check, on CPU with tiny sizes (gloo, torch CPU arenas)."""
