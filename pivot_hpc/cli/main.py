@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -27,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "the simulator's calibration table: every cost with its source",
     ),
     "report": ("pivot_hpc.cli.report", "summarise a run directory's telemetry"),
+    "config": ("pivot_hpc.cli.config", "show a resolved config with every key's documentation"),
     "submit": ("pivot_hpc.cli.submit", "submit the main job to Slurm (submitit; requeues itself)"),
 }
 
@@ -65,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except PivotError as exc:
         print(f"pivot-hpc: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `pivot-hpc … | head`: the reader left; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

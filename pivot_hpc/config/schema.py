@@ -25,8 +25,8 @@ STRATEGIES = ("pivot", "static", "rule", "vanilla")
 class ClusterConfig:
     """The GPUs of one allocation (on CPU: worker device slots)."""
 
-    nodes: int = 1
-    gpus_per_node: int = 4
+    nodes: int = 1  # nodes of the allocation (one MPI host rank each)
+    gpus_per_node: int = 4  # GPUs per node (on CPU: worker processes per node)
 
     def validate(self, path: str) -> None:
         if self.nodes < 1:
@@ -61,7 +61,7 @@ class ThroughputConfig:
 class InferenceRoleConfig:
     """Rollout or reward: replicas of `tp` GPUs on one node serving one model."""
 
-    tp: int = 1
+    tp: int = 1  # tensor-parallel GPUs per replica (within one node)
     kv_capacity_tokens: int = 65536  # KV-cache capacity of one replica, in tokens
     gpus: list[int] | None = None  # GPUs this role may use; None = every GPU
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
@@ -80,7 +80,7 @@ class TrainingRoleConfig:
     """Training shifts as one unit: a fixed GPU set, whose process group is made once."""
 
     gpus: list[int] | None = None  # explicit GPU ids; None = the last `num_gpus` GPUs
-    num_gpus: int = 1
+    num_gpus: int = 1  # how many GPUs train (when `gpus` is not given)
 
     def validate(self, path: str) -> None:
         if self.gpus is None and self.num_gpus < 1:
@@ -93,9 +93,9 @@ class TrainingRoleConfig:
 class ShiftTimes:
     """τ_shift per role that shifts down (seconds), used in the penalty φ = Σ τ_shift·T_i."""
 
-    rollout: float = 2.0
-    reward: float = 2.0
-    training: float = 5.0
+    rollout: float = 2.0  # seconds a rollout replica takes to shift
+    reward: float = 2.0  # seconds a GenRM replica takes to shift
+    training: float = 5.0  # seconds training takes to shift
 
     def validate(self, path: str) -> None:
         for name in ("rollout", "reward", "training"):
@@ -108,6 +108,7 @@ class ShiftTimes:
 class PlannerConfig:
     """When and how to shift GPUs between roles (paper §7, §8.4)."""
 
+    # the paper's planner, or an §8.4 ablation
     strategy: Literal["pivot", "static", "rule", "vanilla"] = "pivot"
     horizon_s: float = 60.0  # H: how long a shift's throughput gain is expected to last
     interval_s: float = 1.0  # how often the planner looks at a fresh snapshot
@@ -137,7 +138,7 @@ class PlannerConfig:
 class SchedulerConfig:
     """Shift-aware scheduler (paper §6)."""
 
-    priority: Literal["seq_id", "longest_first", "shortest_first"] = "seq_id"
+    priority: Literal["seq_id", "longest_first", "shortest_first"] = "seq_id"  # queue order
     migration: bool = True  # shift-up migration (Alg. 4); off = the `vanilla` ablation
 
 

@@ -12,10 +12,10 @@ from pivot_hpc.config.loader import fail
 class DeploymentConfig:
     """How roles share GPUs (paper §8.1, Table 4). GPU counts are for the static splits."""
 
-    mode: Literal["colocated", "disaggregated", "rr_colocated", "pivot"] = "pivot"
+    mode: Literal["colocated", "disaggregated", "rr_colocated", "pivot"] = "pivot"  # deployment
     staleness: int | None = None  # None: 0 for colocated, 2 otherwise (App. E)
     rollout_gpus: int | None = None  # disaggregated split (and static/rule's start)
-    reward_gpus: int | None = None
+    reward_gpus: int | None = None  # disaggregated split: GenRM GPUs
 
     def validate(self, path: str) -> None:
         if self.staleness is not None and self.staleness < 0:
@@ -33,14 +33,14 @@ class DeploymentConfig:
 class LoopConfig:
     """The RL loop: steps, and prompts × samples per step."""
 
-    steps: int = 10
-    batch_prompts: int = 64
-    samples_per_prompt: int = 8
+    steps: int = 10  # RL steps (optimizer updates) of the run
+    batch_prompts: int = 64  # prompts per step
+    samples_per_prompt: int = 8  # responses per prompt (one GRPO group)
     monitor_interval_s: float = 1.0  # telemetry rows and length sync
     # Held-out evaluation (greedy accuracy on rl.data.validation), at the start and end of
     # every allocation and every `eval_every_steps` steps (0: start and end only).
     eval_problems: int = 64  # 0 = off
-    eval_every_steps: int = 0
+    eval_every_steps: int = 0  # held-out evaluation cadence (0: start and end)
 
     def validate(self, path: str) -> None:
         if self.steps < 1:

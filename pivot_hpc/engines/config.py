@@ -39,12 +39,12 @@ SGLANG_OWNED_ARGS = frozenset(
 class InferenceEngineConfig:
     """`hf` = the CPU continuous-batching engine; `sglang` = GPU production engine."""
 
-    engine: Literal["hf", "sglang"] = "hf"
+    engine: Literal["hf", "sglang"] = "hf"  # which engine serves the role
     max_batch: int = 256  # running sequences at most (KV slots)
     max_seq_len: int | None = None  # None = the model's max_position_embeddings
     prefill_chunk_tokens: int = 4096  # padded tokens per prefill forward
     num_threads: int = 1  # torch threads of the worker process
-    seed: int = 0
+    seed: int = 0  # sampling seed of the engine
     # A YAML file written by `pivot-hpc profile`; its fitted constants replace the role's
     # `throughput` section (see pivot_hpc.engines.profile.apply_profiles).
     throughput_profile: Path | None = None

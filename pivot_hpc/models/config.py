@@ -20,17 +20,17 @@ class ModelConfig:
     """A Qwen2-architecture decoder. `vocab_size` is padded above the 99 char tokens so
     it divides any small tensor-parallel size (Megatron shards the vocabulary)."""
 
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    vocab_size: int = 128
-    max_position_embeddings: int = 512
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
+    hidden_size: int = 128  # model width
+    num_layers: int = 2  # decoder layers
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int = 2  # key/value heads (GQA; divides num_heads)
+    intermediate_size: int = 384  # SwiGLU MLP width
+    vocab_size: int = 128  # embedding rows (char tokens + padding)
+    max_position_embeddings: int = 512  # longest sequence, in tokens
+    rope_theta: float = 10000.0  # rotary embedding base
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # output layer shares the embedding
+    initializer_range: float = 0.02  # std of the random initial weights
 
     def validate(self, path: str) -> None:
         if self.hidden_size % self.num_heads:
@@ -48,11 +48,11 @@ class ModelConfig:
 class SFTConfig:
     """The Megatron SFT warm-up that gives a tiny model its starting skill."""
 
-    steps: int = 300
-    batch_size: int = 64
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
+    steps: int = 300  # optimizer steps of the warm-up
+    batch_size: int = 64  # examples per step
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 20  # linear learning-rate warm-up
+    weight_decay: float = 0.0  # AdamW weight decay
 
     def validate(self, path: str) -> None:
         if self.steps < 0:
@@ -90,13 +90,13 @@ class ModelsConfig:
 
     policy: TinyModelSpec = field(default_factory=_default_policy)
     genrm: TinyModelSpec = field(default_factory=_default_genrm)
-    seed: int = 0
+    seed: int = 0  # seed of model creation and warm-up data
     cache_dir: Path | None = None  # None = $PIVOT_HPC_CACHE or ~/.cache/pivot_hpc
     max_digits: int = 2  # synthetic task: operands have 1..max_digits digits
     # Real models (Hugging Face directories on a shared file system; nothing is downloaded).
     # When set, they replace the tiny generated policy / GenRM above.
     policy_path: Path | None = None
-    genrm_path: Path | None = None
+    genrm_path: Path | None = None  # (the GenRM's directory)
 
     def validate(self, path: str) -> None:
         for name in ("policy_path", "genrm_path"):

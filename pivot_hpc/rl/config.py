@@ -46,12 +46,12 @@ class GRPOConfig:
     # min(w, rollout_is_threshold) (TIS); "mask": tokens with w outside
     # [rollout_is_threshold_lower, rollout_is_threshold] carry no loss (masked IS).
     # Every step logs the mismatch (mean |Δlogp|, percentiles of w) when recomputing.
-    rollout_is: Literal["off", "truncate", "mask"] = "off"
-    rollout_is_threshold: float = 2.0
+    rollout_is: Literal["none", "truncate", "mask"] = "none"
+    rollout_is_threshold: float = 2.0  # TIS cap; masked IS: upper bound
     rollout_is_threshold_lower: float | None = None  # None: 1 / rollout_is_threshold
 
     def validate(self, path: str) -> None:
-        if self.rollout_is != "off" and not self.recompute_old_logprobs:
+        if self.rollout_is != "none" and not self.recompute_old_logprobs:
             fail(
                 f"{path}.rollout_is",
                 self.rollout_is,
@@ -80,16 +80,16 @@ class GRPOConfig:
 class TrainerConfig:
     """The Megatron training engine."""
 
-    engine: Literal["megatron"] = "megatron"
-    tp: int = 1
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
+    engine: Literal["megatron"] = "megatron"  # the training engine
+    tp: int = 1  # tensor parallelism of training
+    lr: float = 1e-4  # Adam learning rate
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam betas
+    weight_decay: float = 0.0  # AdamW weight decay
+    eps: float = 1e-8  # Adam epsilon
     grad_clip: float = 1.0  # 0 = off
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear learning-rate warm-up steps
     micro_batch_size: int = 64  # sequences per forward/backward
-    seed: int = 0
+    seed: int = 0  # initialisation / dropout seed of training
     # Parameter dtype of the Megatron model. "auto" = bf16 when a CUDA device is present
     # (fp32 master weights and Adam moments in the optimizer), fp32 on CPU (bit-exact
     # against the HF model, what the CPU tests compare).
@@ -118,8 +118,8 @@ class TrainerConfig:
 class RewardConfig:
     """R = w_verifiable·R_verifiable + w_genrm·R_GenRM (paper §8.1: both weights 1)."""
 
-    verifiable_weight: float = 1.0
-    genrm_weight: float = 1.0
+    verifiable_weight: float = 1.0  # weight of the verifiable reward
+    genrm_weight: float = 1.0  # weight of the GenRM reward
     correct_score: float = 1.0  # DAPO: +1 correct
     wrong_score: float = -1.0  # DAPO: -1 wrong or no answer
     genrm_max_score: float = 10.0  # GenRM scores are 0..max, mapped to [0, 1]
@@ -130,7 +130,7 @@ class RewardConfig:
     # rl.max_response_tokens − overlong_buffer_len tokens, then falling linearly to
     # −overlong_penalty_factor at rl.max_response_tokens (0 = off)
     overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = 1.0  # penalty at the limit
 
     def validate(self, path: str) -> None:
         if self.overlong_buffer_len < 0:
@@ -149,10 +149,10 @@ class RewardConfig:
 class DataConfig:
     """Training / validation prompts: the synthetic task, or local DAPO/AIME-style files."""
 
-    train: Literal["synthetic"] | Path = "synthetic"
-    validation: Literal["synthetic"] | Path | None = "synthetic"
+    train: Literal["synthetic"] | Path = "synthetic"  # training prompts (file or 'synthetic')
+    validation: Literal["synthetic"] | Path | None = "synthetic"  # held-out prompts
     max_prompt_tokens: int = 2048  # longer prompts are counted as malformed and skipped
-    synthetic_seed: int = 0
+    synthetic_seed: int = 0  # seed of the synthetic task
 
     def validate(self, path: str) -> None:
         for name in ("train", "validation"):

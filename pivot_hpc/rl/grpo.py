@@ -90,7 +90,7 @@ def rollout_correction(
 
     mode "truncate" (TIS): weights min(w, upper), mask unchanged; "mask": weights 1, and
     tokens with w outside [lower, upper] (lower defaults to 1/upper) leave the mask;
-    "off": weights 1, mask unchanged (metrics only).
+    "none": weights 1, mask unchanged (metrics only).
     """
     mask = mask.to(old_logprobs.dtype)
     delta = (old_logprobs - rollout_logprobs).detach()
@@ -114,8 +114,8 @@ def rollout_correction(
         keep = (w >= lo) & (w <= upper)
         metrics["is_masked_frac"] = float((~keep[on]).double().mean()) if seen.numel() else 0.0
         return ones, mask * keep.to(mask.dtype), metrics
-    if mode != "off":
-        raise ValueError(f"rollout_correction: mode={mode!r}; valid: 'off', 'truncate', 'mask'")
+    if mode != "none":
+        raise ValueError(f"rollout_correction: mode={mode!r}; valid: 'none', 'truncate', 'mask'")
     return ones, mask, metrics
 
 

@@ -84,13 +84,13 @@ class SimConfig:
     # the rollout engine's logprobs, so this is off by default). A reference forward is
     # added when rl.grpo.kl_coef > 0.
     recompute_old_logprobs: bool = False
-    activation_recompute: bool = True
+    activation_recompute: bool = True  # training re-runs the forward in backward
     # Running-request cap of one inference replica (None: the calibration table's).
     max_running_requests: int | None = None
     # Your own engine profile (`pivot-hpc profile` YAML) instead of the catalog's A-D for a
     # role; a `kv_capacity_tokens` entry in the file replaces the catalog's capacity too.
     rollout_profile: str | None = None
-    reward_profile: str | None = None
+    reward_profile: str | None = None  # (the GenRM's profile)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def validate(self, path: str) -> None:
