@@ -13,6 +13,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -127,6 +128,13 @@ def test_signal_checkpoints_partial_work_and_resume_trains_each_sample_once(
 
     r = open_run(run_dir)
     assert len(r.files) == 2 and r.file_meta[1]["resumed_from"] == ckpt.name
+    trace = subprocess.run(
+        [sys.executable, "-m", "pivot_hpc", "trace", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # the live telemetry of both allocations as one Perfetto trace
+    assert trace.returncode == 0 and (run_dir / "trace.json").is_file(), trace.stderr
     assert list(r["steps"]["step"]) == [0, 1, 2, 3]
     got, want = r["trained"], trained_samples(reference)
     assert len(np.unique(got["sample_id"])) == len(got) == 4 * 16  # each once, none missing
