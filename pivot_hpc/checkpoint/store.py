@@ -46,6 +46,7 @@ RESUMABLE_KEYS = (
     "loop.steps",
     "loop.monitor_interval_s",
     "checkpoint.",
+    "tracking.",
     "planner.interval_s",
     "models.cache_dir",
     # measured, not chosen: start-up profiling fills these in
@@ -249,8 +250,9 @@ def check_resumable(path: Path, current: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(
             f"run directory {path.parent.parent} holds checkpoints of a different config "
             f"({shown}). Resume with the config it was written with ({path / 'config.yaml'}) "
-            "or use a new --run-dir. Only loop.steps, checkpoint.*, planner.interval_s, "
-            "models.cache_dir and throughput constants may change across a resume."
+            "or use a new --run-dir. Only loop.steps, checkpoint.*, tracking.*, "
+            "planner.interval_s, models.cache_dir and throughput constants may change across "
+            "a resume."
         )
     return manifest
 

@@ -48,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
         return report_status(run_in_world(cfg, run_dir))
     # What the world would refuse, refused here in one line before anything starts.
     from pivot_hpc.runtime.world import check_live_config
+    from pivot_hpc.tracking import check_available
 
     check_live_config(cfg)
+    check_available(cfg.tracking)
     # A checkpoint to resume must be usable (complete, same config) before any rank starts.
     from pivot_hpc.checkpoint import store
     from pivot_hpc.config import to_dict

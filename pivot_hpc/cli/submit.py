@@ -272,8 +272,10 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"cluster.nodes={args.nodes}")
     cfg = load_config(args.config, overrides)  # validated before anything is submitted
     from pivot_hpc.runtime.world import check_live_config
+    from pivot_hpc.tracking import check_available
 
     check_live_config(cfg)
+    check_available(cfg.tracking)
     if args.run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.run_dir = f"runs/{Path(args.config).stem}-{stamp}"

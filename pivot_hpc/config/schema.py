@@ -17,6 +17,7 @@ from pivot_hpc.gps.config import GPSConfig
 from pivot_hpc.models.config import ModelsConfig
 from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.sim.config import SimConfig
+from pivot_hpc.tracking.config import TrackingConfig
 
 STRATEGIES = ("pivot", "static", "rule", "vanilla")
 
@@ -160,6 +161,7 @@ class Config:
     sim: SimConfig = field(default_factory=SimConfig)
     gps: GPSConfig = field(default_factory=GPSConfig)  # Global Parameter Storage (§5.1)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # DESIGN.md §9
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow
 
     def validate(self, path: str) -> None:
         # the parts the cross-field rules below divide by, checked first (children are

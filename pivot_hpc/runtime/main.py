@@ -145,17 +145,6 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
     return code
 
 
-def mismatch_summary(m: dict) -> str:
-    """The rollout/trainer mismatch of a step (when the trainer recomputes old logprobs)."""
-    if "mismatch_abs_logp" not in m:
-        return ""
-    out = f"  |Δlogp|={m['mismatch_abs_logp']:.4f} IS p95={m.get('is_ratio_p95', 1.0):.3f}"
-    for key, name in (("is_truncated_frac", "capped"), ("is_masked_frac", "masked")):
-        if key in m:
-            out += f" {name}={m[key]:.1%}"
-    return out
-
-
 def use_profiles(cfg: Config, dirs) -> None:
     """Throughput constants for the schedulers: the engine/model profile if one exists
     (`pivot-hpc profile` writes it), else a brief profile now, cached for the next run."""
@@ -278,6 +267,10 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     from pivot_hpc.telemetry import last_time
 
     writer = TelemetryWriter(run_dir, meta=meta, time_offset=last_time(run_dir))
+    from pivot_hpc.runtime.step_log import mismatch_summary, step_scalars
+    from pivot_hpc.tracking import open_trackers
+
+    trackers = open_trackers(cfg.tracking, run_dir, config_dict)
     coord = Coordinator(
         cluster=cluster,
         topology=topology,
@@ -322,6 +315,9 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
             cluster.now(), ev.version, ev.accuracy, ev.mean_verifiable, ev.problems, ev.seconds
         )
         writer.flush()
+        trackers.log(
+            ev.version, {"eval/accuracy": ev.accuracy, "eval/verifiable_mean": ev.mean_verifiable}
+        )
         print(
             f"eval v{ev.version}: held-out accuracy {ev.accuracy:.3f} "
             f"(mean verifiable reward {ev.mean_verifiable:.3f}) on {ev.problems} problems, "
@@ -336,6 +332,8 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     def log_step(step: int, m: dict) -> None:
         a = coord.allocation()
         ro, rm = coord.schedulers["rollout"], coord.schedulers["reward"]
+        queued = {"rollout": ro.n_queued, "reward": rm.n_queued}
+        trackers.log(step + 1, step_scalars(m, a, coord.stats.shifts_up, queued))
         span = max(m["t"] - m["start"], 1e-9)
         print(
             f"step {step + 1}/{cfg.loop.steps}  t={m['t']:.1f}s  "
@@ -366,6 +364,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
             ckpt.save(coord, stop.requested() or "signal")
     finally:
         writer.close()
+        trackers.close()
     if coord.stopped:
         cluster.stop(stop.EXIT_REQUEUE)
         print(

@@ -135,6 +135,7 @@ def test_signal_checkpoints_partial_work_and_resume_trains_each_sample_once(
         timeout=120,
     )  # the live telemetry of both allocations as one Perfetto trace
     assert trace.returncode == 0 and (run_dir / "trace.json").is_file(), trace.stderr
+    assert any((run_dir / "tensorboard").iterdir())  # the default tracker
     assert list(r["steps"]["step"]) == [0, 1, 2, 3]
     got, want = r["trained"], trained_samples(reference)
     assert len(np.unique(got["sample_id"])) == len(got) == 4 * 16  # each once, none missing

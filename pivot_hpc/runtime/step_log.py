@@ -1,0 +1,53 @@
+"""What a finished RL step reports: the console line's extras and the trackers' scalars."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# metrics of the training step passed through to the trackers as `train/<name>`
+TRAIN_METRICS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "clip",
+    "ratio",
+    "approx_kl",
+    "grad_norm",
+    "lr",
+    "staleness",
+    "mismatch_abs_logp",
+    "is_ratio_p05",
+    "is_ratio_p50",
+    "is_ratio_p95",
+    "is_truncated_frac",
+    "is_masked_frac",
+)
+
+
+def mismatch_summary(m: dict) -> str:
+    """The rollout/trainer mismatch of a step (when the trainer recomputes old logprobs)."""
+    if "mismatch_abs_logp" not in m:
+        return ""
+    out = f"  |Δlogp|={m['mismatch_abs_logp']:.4f} IS p95={m.get('is_ratio_p95', 1.0):.3f}"
+    for key, name in (("is_truncated_frac", "capped"), ("is_masked_frac", "masked")):
+        if key in m:
+            out += f" {name}={m[key]:.1%}"
+    return out
+
+
+def step_scalars(
+    m: Mapping[str, float], allocation: Mapping[str, int], shifts_up: int, queued: Mapping[str, int]
+) -> dict[str, float]:
+    """The trackers' scalars of one step (names "section/name")."""
+    span = max(m["t"] - m["start"], 1e-9)
+    out = {
+        "reward/mean": m["reward"],
+        "throughput/rollout_tokens_per_s": m["rollout_tokens"] / span,
+        "throughput/reward_tokens_per_s": m["reward_tokens"] / span,
+        "time/step_end_s": m["t"],
+        "planner/shifts_up_total": float(shifts_up),
+    }
+    out |= {f"alloc/{role}_gpus": float(n) for role, n in allocation.items()}
+    out |= {f"queue/{role}": float(n) for role, n in queued.items()}
+    out |= {f"train/{k}": float(m[k]) for k in TRAIN_METRICS if k in m}
+    return out
