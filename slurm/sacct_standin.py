@@ -133,7 +133,7 @@ def row(rec: dict[str, str], fields: list[str]) -> str:
 def trusted(path: Path) -> bool:
     """Ours, a plain file, and nobody else can write it (nor its directory)."""
     try:
-        for p, st in ((path, path.lstat()), (path.parent, path.parent.stat())):
+        for st in (path.lstat(), path.parent.stat()):
             if st.st_uid != os.getuid() or st.st_mode & 0o022:
                 return False
         return path.is_file() and not path.is_symlink()

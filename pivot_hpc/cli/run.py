@@ -52,6 +52,13 @@ def run(args: argparse.Namespace) -> int:
 
     check_live_config(cfg)
     check_available(cfg.tracking)
+    from pivot_hpc.data.loaders import Columns, usable_problems
+
+    data = cfg.rl.data
+    for key in ("train", "validation"):
+        path = getattr(data, key)
+        if path not in (None, "synthetic"):
+            usable_problems(path, f"rl.data.{key}", Columns(data.prompt_key, data.answer_key))
     # A checkpoint to resume must be usable (complete, same config) before any rank starts.
     from pivot_hpc.checkpoint import store
     from pivot_hpc.config import to_dict

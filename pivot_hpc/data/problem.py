@@ -12,6 +12,9 @@ class Problem:
     answer: str  # ground truth for the verifiable reward
     uid: str = ""
     question: str = ""  # the bare question (what the GenRM sees); defaults to prompt
+    # the chat as published ((role, content), …); a tokenizer with a chat template turns
+    # it into the prompt, one without sees `prompt`
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from pivot_hpc.data import arithmetic
 from pivot_hpc.engines.base import TrainBatch
 from pivot_hpc.models.config import ModelConfig, SFTConfig
+from pivot_hpc.models.tokenizer import encode_prompt
 from pivot_hpc.rl.config import TrainerConfig
 from pivot_hpc.rl.rewards import genrm_prompt
 
@@ -42,10 +43,6 @@ EXAMPLES: dict[str, Callable[[random.Random, int], Example]] = {
     "policy": policy_example,
     "genrm": genrm_example,
 }
-
-
-def encode_prompt(tok, text: str) -> list[int]:
-    return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False)]
 
 
 def sft_batch(tok, kind: str, rng: random.Random, n: int, max_digits: int) -> TrainBatch:

@@ -8,6 +8,7 @@ Qwen2Tokenizer, which silently drops spaces and newlines for a custom vocab).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -37,3 +38,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def encode_prompt(tok, text: str, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
+    """The prompt's token ids: BOS + `text`; or, when the prompt came as a chat
+    (`messages`: (role, content) pairs, e.g. DAPO-Math-17k's) and the tokenizer has a chat
+    template, that template with the generation prompt (its own special tokens included)."""
+    if messages and getattr(tok, "chat_template", None):
+        chat = [{"role": role, "content": content} for role, content in messages]
+        templated = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        return list(tok.encode(templated, add_special_tokens=False))
+    return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False)]

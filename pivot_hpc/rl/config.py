@@ -152,6 +152,10 @@ class DataConfig:
     train: Literal["synthetic"] | Path = "synthetic"  # training prompts (file or 'synthetic')
     validation: Literal["synthetic"] | Path | None = "synthetic"  # held-out prompts
     max_prompt_tokens: int = 2048  # longer prompts are counted as malformed and skipped
+    # Columns of the files (a dotted key reaches into a nested column); when a row lacks
+    # them, the known layouts are tried (DAPO-Math-17k, AIME-style problem/answer)
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"  # (the ground truth's column)
     synthetic_seed: int = 0  # seed of the synthetic task
 
     def validate(self, path: str) -> None:

@@ -21,7 +21,7 @@ from pivot_hpc.engines.base import SamplingParams, TrainBatch
 from pivot_hpc.engines.hf_engine import HFEngine, generate_all
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.models.qwen2 import model_config_of
-from pivot_hpc.models.sft import encode_prompt
+from pivot_hpc.models.tokenizer import encode_prompt
 from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.rl.grpo import group_advantages, reference_logprobs
 from pivot_hpc.rl.rewards import (
@@ -128,7 +128,7 @@ class LocalGRPO:
         return self.tok.decode([t for t in ids if t != self.tok.eos_token_id])
 
     def generate(self, problems: Sequence[Problem], sampling: SamplingParams):
-        prompts = [encode_prompt(self.tok, p.prompt) for p in problems]
+        prompts = [encode_prompt(self.tok, p.prompt, p.messages) for p in problems]
         res = generate_all(self.rollout, prompts, sampling, first_id=self._next_seq)
         self._next_seq += len(prompts)
         return prompts, res

@@ -16,7 +16,7 @@ import torch
 
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams
-from pivot_hpc.models.sft import encode_prompt
+from pivot_hpc.models.tokenizer import encode_prompt
 from pivot_hpc.rl.rewards import score_answers
 
 
@@ -36,9 +36,10 @@ def validation_problems(cfg, train: list[Problem]) -> list[Problem]:
     if data.validation is None or n == 0:
         return []
     if data.validation != "synthetic":
-        from pivot_hpc.data.loaders import load_problems
+        from pivot_hpc.data.loaders import Columns, usable_problems
 
-        return load_problems(data.validation)[0][:n]
+        columns = Columns(data.prompt_key, data.answer_key)
+        return usable_problems(data.validation, "rl.data.validation", columns)[0][:n]
     from pivot_hpc.data.arithmetic import problems
 
     seen = {p.prompt for p in train}
@@ -55,7 +56,7 @@ class Evaluator:
         self.gps = gps
         self.tok = tok
         self.problems = problems
-        self.prompts = [encode_prompt(tok, p.prompt) for p in problems]
+        self.prompts = [encode_prompt(tok, p.prompt, p.messages) for p in problems]
         model, _ = load_model(policy_dir)
         self.engine = HFEngine(
             model,

@@ -14,7 +14,7 @@ from typing import Any
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams, SeqResult, TrainBatch
-from pivot_hpc.models.sft import encode_prompt
+from pivot_hpc.models.tokenizer import encode_prompt
 from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.rl.grpo import group_advantages
 from pivot_hpc.rl.rewards import (
@@ -60,7 +60,7 @@ class LiveSamples:
 
     def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample:
         p = self.problems[self.order[prompt_index % len(self.order)]]
-        ids = encode_prompt(self.tok, p.prompt)
+        ids = encode_prompt(self.tok, p.prompt, p.messages)
         return Sample(sample_id, step, prompt_index, group, len(ids), LivePayload(p, ids))
 
     def text(self, ids: list[int]) -> str:

@@ -235,10 +235,11 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     if data.train == "synthetic":
         pool = problems(4096, seed=data.synthetic_seed, max_digits=cfg.models.max_digits)
     else:
-        from pivot_hpc.data.loaders import load_problems
+        from pivot_hpc.data.loaders import Columns, usable_problems
 
-        pool, report = load_problems(data.train)
-        print(f"pivot-hpc: {report}", flush=True)
+        columns = Columns(data.prompt_key, data.answer_key)
+        pool, report = usable_problems(data.train, "rl.data.train", columns)
+        print(f"pivot-hpc: {report.summary()}", flush=True)
     samples = LiveSamples(pool, tok, cfg.rl, seed=data.synthetic_seed)
     cluster = LiveCluster(comm, lay, topology, samples)
     mode = make_mode(cfg, list(topology.training_gpus))

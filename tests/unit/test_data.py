@@ -133,3 +133,89 @@ def test_marked_copy():
     assert arithmetic.marked_copy("121", "111") == "1b1"
     assert arithmetic.marked_copy("85", "185") == "bif"  # other length: all letters
     assert arithmetic.marked_copy("85", "none") == "none"
+
+
+# ------------------------------------------------ published layouts, columns, chat templates
+def dapo_parquet(path, rows):
+    """A file in DAPO-Math-17k's exact parquet layout (struct and list-of-struct columns)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            ("extra_info", pa.struct([("index", pa.string())])),
+        ]
+    )
+    table = pa.Table.from_pylist(
+        [
+            {
+                "data_source": "math_dapo",
+                "prompt": [{"content": q, "role": "user"}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": a, "style": "rule-lighteval/MATH_v2"},
+                "extra_info": {"index": f"uid-{i}"},
+            }
+            for i, (q, a) in enumerate(rows)
+        ],
+        schema=schema,
+    )
+    pq.write_table(table, path)
+
+
+CHAT = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_dapo_math_17k_parquet_as_published_with_a_chat_template(tmp_path):
+    from pivot_hpc.models.tokenizer import encode_prompt
+
+    path = tmp_path / "dapo-math-17k.parquet"
+    dapo_parquet(path, [("What is 2+3? Answer: $Answer", "5"), ("Solve x+1=3.", "2")])
+    found, report = load_problems(path)
+    assert report.kept == 2 and [p.answer for p in found] == ["5", "2"]
+    assert found[0].uid == "uid-0" and found[0].messages == (("user", found[0].prompt),)
+    tok = build_tokenizer()
+    plain = encode_prompt(tok, found[0].prompt, found[0].messages)  # no template: BOS + text
+    assert plain == [tok.bos_token_id, *tok.encode(found[0].prompt, add_special_tokens=False)]
+    tok.chat_template = CHAT
+    templated = encode_prompt(tok, found[0].prompt, found[0].messages)
+    want = f"<user>{found[0].prompt}\n<assistant>"
+    assert tok.decode(templated) == want
+
+
+def test_aime_files_as_published_and_named_columns(tmp_path):
+    from pivot_hpc.data.loaders import Columns
+
+    aime = tmp_path / "aime_2024.jsonl"
+    rows = [{"ID": "2024-I-1", "Problem": "Find 1+1.", "Solution": "...", "Answer": 2}]
+    aime.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (p,), _ = load_problems(aime)
+    assert (p.prompt, p.answer, p.messages) == ("Find 1+1.", "2", ())
+    custom = tmp_path / "custom.jsonl"
+    custom.write_text(json.dumps({"q": "2*3?", "meta": {"gold": "6"}}) + "\n")
+    assert load_problems(custom)[1].kept == 0  # nothing it knows
+    (c,), _ = load_problems(custom, columns=Columns("q", "meta.gold"))
+    assert (c.prompt, c.answer) == ("2*3?", "6")
+
+
+def test_a_dataset_without_usable_rows_is_one_line_before_launch(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from pivot_hpc.cli.main import main
+
+    tiny = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+    data = tmp_path / "custom.jsonl"
+    data.write_text(json.dumps({"q": "2*3?", "meta": {"gold": "6"}}) + "\n")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no mpirun: a launch would fail loudly
+    run = ["run", tiny, "--run-dir", str(tmp_path / "r"), f"rl.data.train={data}"]
+    assert main(run) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rl.data.train" in err and "prompt_key" in err
+    assert main([*run, "rl.data.prompt_key=q", "rl.data.answer_key=meta.gold"]) == 2
+    assert "mpirun not found" in capsys.readouterr().err  # the data passed: it got to launch
