@@ -43,8 +43,7 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "BOOT_FAIL", "DEADLINE", "PREEMPTED"}  # fmt: skip
 TOKEN = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")
 CACHE = Path(
-    os.environ.get("PIVOT_SACCT_CACHE")
-    or Path.home() / ".cache" / "pivot_hpc" / "sacct-cache.json"
+    os.environ.get("PIVOT_SACCT_CACHE") or Path.home() / ".cache" / "pivot_hpc" / "sacct-cache.json"
 )
 
 
