@@ -268,6 +268,14 @@ class Coordinator:
             verifiable, genrm = self.rewarder(s, ev.result)
             self.rl.reward_done(s, verifiable, genrm, ev.generated)
             log.reward_tokens += ev.generated
+            dropped, fresh = self.rl.resample(s)
+            for x in dropped:  # uninformative: never trained (DAPO dynamic sampling)
+                del self.samples[x.sample_id]
+            for x in fresh:
+                self.samples[x.sample_id] = x
+                self.schedulers["rollout"].submit(SeqState(x.sample_id, x.prompt_len, x))
+            if fresh:
+                self.dispatch("rollout")
         self.dispatch(ev.role)
         self.maybe_train()
 
@@ -508,6 +516,7 @@ class Coordinator:
                 ev.step,
                 {
                     "reward": mean,
+                    "filtered_groups": float(self.rl.filtered.get(ev.step, 0)),
                     "t": ev.t,
                     "start": log.start,
                     "rollout_tokens": log.rollout_tokens,

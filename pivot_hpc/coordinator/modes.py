@@ -34,6 +34,11 @@ class Split:
     reward: set[int]
 
 
+def _awaits_rollout(c, step: int) -> bool:
+    """Batch `step` holds samples not rolled out yet (dynamic sampling's replacements)."""
+    return any(not s.rolled_out for s in c.rl.batches.get(step, ()))
+
+
 class Colocated:
     name = "colocated"
 
@@ -63,6 +68,10 @@ class Colocated:
                 self.stage = "reward"
                 c.take_down(list(ro.replicas))
                 c.request_up(slots_within(c.topology, "reward", self.everything))
+        elif self.stage == "reward" and rm.n_seq == 0 and _awaits_rollout(c, step):
+            self.stage = "rollout"  # dynamic sampling drew fresh prompts: roll them out
+            c.take_down(list(rm.replicas))
+            c.request_up(slots_within(c.topology, "rollout", self.everything))
         elif self.stage == "reward" and c.rl.batch_ready():
             self.stage = "train"
             self.trained_to = c.rl.version + 1
@@ -126,6 +135,10 @@ class RolloutRewardColocated:
                 self.phase = "reward"
                 c.take_down(list(ro.replicas))
                 c.request_up(slots_within(c.topology, "reward", self.pool))
+        elif self.phase == "reward" and rm.n_seq == 0 and _awaits_rollout(c, b):
+            self.phase = "rollout"  # dynamic sampling drew fresh prompts: roll them out
+            c.take_down(list(rm.replicas))
+            c.request_up(slots_within(c.topology, "rollout", self.pool))
         elif self.phase == "reward":
             batch = c.rl.batches.get(b)
             if batch is None or c.rl.rewarded_count[b] == len(batch):

@@ -65,6 +65,12 @@ class RLState:
     batches: dict[int, list[Sample]] = field(default_factory=dict)
     rewarded_count: dict[int, int] = field(default_factory=dict)
     training_step: int | None = None  # batch being trained
+    # DAPO dynamic sampling: uninformative groups are replaced by fresh prompts, at most
+    # `resample_limit` per step; per step, groups dropped and prompts drawn in their place
+    dynamic_sampling: bool = False
+    resample_limit: int = 0
+    filtered: dict[int, int] = field(default_factory=dict)
+    resampled: dict[int, int] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -110,6 +116,33 @@ class RLState:
         s.reward_verifiable, s.reward_genrm, s.judgement_len = verifiable, genrm, judgement_len
         self.rewarded_count[s.step] += 1
 
+    def resample(self, s: Sample) -> tuple[list[Sample], list[Sample]]:
+        """Dynamic sampling, after `s` was rewarded: when every sample of its prompt group
+        is rewarded and all got the same reward, the group leaves the batch (returned
+        first; never trained, counted in `filtered`) and a fresh prompt's group takes its
+        place (returned second; to roll out). ([], []) when the group stays."""
+        step = s.step
+        if not self.dynamic_sampling or self.resampled.get(step, 0) >= self.resample_limit:
+            return [], []
+        batch = self.batches[step]
+        group = [x for x in batch if x.prompt_index == s.prompt_index]
+        if not all(x.rewarded for x in group):
+            return [], []
+        if max(x.reward for x in group) - min(x.reward for x in group) > 1e-9:
+            return [], []
+        ids = {x.sample_id for x in group}
+        batch[:] = [x for x in batch if x.sample_id not in ids]
+        self.rewarded_count[step] -= len(group)
+        self.filtered[step] = self.filtered.get(step, 0) + 1
+        self.resampled[step] = self.resampled.get(step, 0) + 1
+        fresh = []
+        for g in range(self.samples_per_prompt):
+            fresh.append(self.source.make(self.next_sample_id, step, self.data_cursor, g))
+            self.next_sample_id += 1
+        self.data_cursor += 1
+        batch.extend(fresh)
+        return group, fresh
+
     def batch_ready(self) -> bool:
         """The next step's batch is fully rewarded (and no training is running)."""
         step = self.version
@@ -146,7 +179,17 @@ class RLState:
         return [s for b in self.batches.values() for s in b if not s.rewarded]
 
     # Fields a checkpoint saves (the sample source is rebuilt from the config).
-    SAVED = ("version", "released", "data_cursor", "next_sample_id", "batches", "rewarded_count")
+    SAVED = (
+        "version",
+        "released",
+        "data_cursor",
+        "next_sample_id",
+        "batches",
+        "rewarded_count",
+        "filtered",
+        "resampled",
+    )
+    ADDED_LATER = ("filtered", "resampled")  # dicts absent from older checkpoints
 
     def state(self) -> dict[str, Any]:
         if self.training_step is not None:
@@ -155,4 +198,4 @@ class RLState:
 
     def restore(self, state: dict[str, Any]) -> None:
         for k in self.SAVED:
-            setattr(self, k, state[k])
+            setattr(self, k, state[k] if k in state or k not in self.ADDED_LATER else {})

@@ -47,6 +47,12 @@ class GRPOConfig:
     # [rollout_is_threshold_lower, rollout_is_threshold] carry no loss (masked IS).
     # Every step logs the mismatch (mean |Δlogp|, percentiles of w) when recomputing.
     rollout_is: Literal["none", "truncate", "mask"] = "none"
+    # DAPO's dynamic sampling: a prompt whose samples all got the same reward (no signal)
+    # leaves the batch and a fresh prompt takes its place, until the batch holds only
+    # informative groups or dynamic_sampling_max_batches × loop.batch_prompts replacement
+    # prompts were drawn for the step (then the step trains with what it has)
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_batches: int = 4  # replacement prompts per step, in batches
     rollout_is_threshold: float = 2.0  # TIS cap; masked IS: upper bound
     rollout_is_threshold_lower: float | None = None  # None: 1 / rollout_is_threshold
 
@@ -56,6 +62,12 @@ class GRPOConfig:
                 f"{path}.rollout_is",
                 self.rollout_is,
                 f"needs the trainer's old logprobs: set {path}.recompute_old_logprobs=true",
+            )
+        if self.dynamic_sampling_max_batches < 1:
+            fail(
+                f"{path}.dynamic_sampling_max_batches",
+                self.dynamic_sampling_max_batches,
+                "must be >= 1",
             )
         if self.rollout_is_threshold <= 0:
             fail(f"{path}.rollout_is_threshold", self.rollout_is_threshold, "must be > 0")

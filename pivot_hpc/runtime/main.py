@@ -248,6 +248,8 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         batch_prompts=cfg.loop.batch_prompts,
         samples_per_prompt=cfg.loop.samples_per_prompt,
         staleness=cfg.deployment.effective_staleness(),
+        dynamic_sampling=cfg.rl.grpo.dynamic_sampling,
+        resample_limit=cfg.rl.grpo.dynamic_sampling_max_batches * cfg.loop.batch_prompts,
         source=samples,
     )
     restored, resume_meta = None, {}
@@ -268,7 +270,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     from pivot_hpc.telemetry import last_time
 
     writer = TelemetryWriter(run_dir, meta=meta, time_offset=last_time(run_dir))
-    from pivot_hpc.runtime.step_log import mismatch_summary, step_scalars
+    from pivot_hpc.runtime.step_log import filtered_summary, mismatch_summary, step_scalars
     from pivot_hpc.tracking import open_trackers
 
     trackers = open_trackers(cfg.tracking, run_dir, config_dict)
@@ -343,6 +345,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
             f"alloc RO={a['rollout']} RM={a['reward']} TR={a['training']}  "
             f"reward={m['reward']:.3f} loss={m.get('loss', float('nan')):.4f}  "
             f"shifts={coord.stats.shifts_up} queued={ro.n_queued}+{rm.n_queued}"
+            f"{filtered_summary(m)}"
             f"{mismatch_summary(m)}",
             flush=True,
         )

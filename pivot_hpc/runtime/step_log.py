@@ -35,6 +35,12 @@ def mismatch_summary(m: dict) -> str:
     return out
 
 
+def filtered_summary(m: Mapping[str, float]) -> str:
+    """Groups dynamic sampling dropped from the step's batch (nothing when none)."""
+    n = int(m.get("filtered_groups", 0))
+    return f" filtered={n}" if n else ""
+
+
 def step_scalars(
     m: Mapping[str, float], allocation: Mapping[str, int], shifts_up: int, queued: Mapping[str, int]
 ) -> dict[str, float]:
@@ -46,6 +52,7 @@ def step_scalars(
         "throughput/reward_tokens_per_s": m["reward_tokens"] / span,
         "time/step_end_s": m["t"],
         "planner/shifts_up_total": float(shifts_up),
+        "reward/filtered_groups": m.get("filtered_groups", 0.0),
     }
     out |= {f"alloc/{role}_gpus": float(n) for role, n in allocation.items()}
     out |= {f"queue/{role}": float(n) for role, n in queued.items()}

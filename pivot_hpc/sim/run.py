@@ -102,6 +102,8 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
         batch_prompts=cfg.loop.batch_prompts,
         samples_per_prompt=cfg.loop.samples_per_prompt,
         staleness=cfg.deployment.effective_staleness(),
+        dynamic_sampling=cfg.rl.grpo.dynamic_sampling,
+        resample_limit=cfg.rl.grpo.dynamic_sampling_max_batches * cfg.loop.batch_prompts,
         source=SimWorkload(cfg.sim.workload, cfg.sim.seed),
     )
     coord = Coordinator(

@@ -36,10 +36,26 @@ def run(run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 
     )
 
 
+# the RL recipe options, live (tests/unit/test_grpo_math.py shows their effect on a batch)
+DAPO = [
+    "rl.grpo.dynamic_sampling=true",
+    "rl.grpo.mask_truncated=true",
+    "rl.reward.overlong_buffer_len=16",
+    "rl.grpo.loss_agg_mode=seq-mean-token-mean",
+]
+MISMATCH = [
+    "rl.grpo.recompute_old_logprobs=true",
+    "rl.grpo.rollout_is=mask",
+    "rl.grpo.loss_agg_mode=seq-mean-token-sum-norm",
+]
+
+
 @pytest.mark.parametrize("mode", ["pivot", "disaggregated", "colocated", "rr_colocated"])
 def test_every_mode_completes(tmp_path: Path, mode: str) -> None:
     # disaggregated also trains data-parallel: 2 training ranks (tp 1 × dp 2)
-    extra = ["training.num_gpus=2"] if mode == "disaggregated" else []
+    extra = ["training.num_gpus=2", *MISMATCH] if mode == "disaggregated" else []
+    if mode in ("colocated", "rr_colocated"):  # dynamic sampling sends them back to rollout
+        extra = DAPO
     out = run(tmp_path, f"deployment.mode={mode}", *extra)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("step ") >= 3 and "pivot-hpc: done: 3 steps" in out.stdout
@@ -59,6 +75,7 @@ def test_every_mode_completes(tmp_path: Path, mode: str) -> None:
     if mode == "pivot":
         assert len(r["planner"]) > 0
     if mode == "disaggregated":
+        assert "|Δlogp|=" in out.stdout and "masked=" in out.stdout
         assert (shifts["gpus"][shifts["role"] == "training"] == 2).all()
         assert (r["allocation"]["training_gpus"][-1:] == 2).all()
 
