@@ -51,6 +51,9 @@ class _TensorBoard:
 
 class _WandB:
     def __init__(self, run_dir: Path, cfg: TrackingConfig, config: Mapping[str, Any]) -> None:
+        import os
+
+        os.environ.setdefault("WANDB_SILENT", "true")  # its sync hints go to its own logs
         import wandb
 
         self.run = wandb.init(
@@ -72,6 +75,11 @@ class _WandB:
 
 class _MLflow:
     def __init__(self, run_dir: Path, cfg: TrackingConfig, config: Mapping[str, Any]) -> None:
+        import os
+
+        # MLflow 3 keeps its file store only on request; a file store needs no server and
+        # no database, which is what a batch job on a cluster file system wants
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         import mlflow
 
         mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())

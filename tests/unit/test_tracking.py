@@ -51,3 +51,17 @@ def test_tracking_keys_are_validated() -> None:
         load_config(TINY, ["tracking.backends=[neptune]"])
     with pytest.raises(ConfigError, match="at most once"):
         load_config(TINY, ["tracking.backends=[tensorboard,tensorboard]"])
+
+
+def test_wandb_offline_and_mlflow_file_store(tmp_path: Path) -> None:
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    cfg = TrackingConfig(backends=["wandb", "mlflow"], project="p")
+    trackers = open_trackers(cfg, tmp_path, {"loop": {"steps": 2}})
+    trackers.log(1, {"train/loss": 0.5})
+    trackers.log(2, {"train/loss": 0.25})
+    trackers.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # for `wandb sync`
+    (metric,) = (tmp_path / "mlruns").glob("*/*/metrics/train.loss")
+    rows = [line.split() for line in metric.read_text().splitlines()]
+    assert [(float(v), int(step)) for _t, v, step in rows] == [(0.5, 1), (0.25, 2)]
