@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pivot_hpc.config import Config, from_dict, validate_tree
     from pivot_hpc.config.loader import ConfigError
-    from pivot_hpc.planner.snapshot import TRAINING, Topology
+    from pivot_hpc.coordinator.build import configured_topology
+    from pivot_hpc.planner.snapshot import TRAINING
     from pivot_hpc.telemetry import open_run
     from pivot_hpc.telemetry.trace import build
 
@@ -34,12 +35,12 @@ def run(args: argparse.Namespace) -> int:
         validate_tree(cfg)
     except ConfigError as exc:
         raise UsageError(f"{run_dir}: the telemetry's saved config does not load ({exc})") from None
-    topo = Topology.from_config(cfg)
+    topo = configured_topology(cfg)
     n = cfg.cluster.total_gpus
 
     def gpus_of(rid: str, count: int) -> tuple[int, ...]:
         if rid == TRAINING and count != len(topo.training_gpus):
-            return tuple(range(n - count, n))  # colocated: training on every GPU
+            return tuple(range(n - count, n))  # runs from before colocated trained on all
         return topo.gpus_of(rid)
 
     trace = build(r, gpus_of, n, cfg.cluster.gpus_per_node)

@@ -80,8 +80,9 @@ class InferenceRoleConfig:
 class TrainingRoleConfig:
     """Training shifts as one unit: a fixed GPU set, whose process group is made once."""
 
-    gpus: list[int] | None = None  # explicit GPU ids; None = the last `num_gpus` GPUs
-    num_gpus: int = 1  # how many GPUs train (when `gpus` is not given)
+    # explicit GPU ids; None = the last `num_gpus` GPUs (colocated mode trains on every GPU)
+    gpus: list[int] | None = None
+    num_gpus: int = 1  # how many GPUs train (when `gpus` is not given; not in colocated mode)
 
     def validate(self, path: str) -> None:
         if self.gpus is None and self.num_gpus < 1:
@@ -190,6 +191,11 @@ class Config:
             fail("training.num_gpus", tr.num_gpus, f"the cluster has only {n} GPUs")
 
     def training_gpus(self) -> list[int]:
+        """The GPUs training runs on — the one place that decides it per mode: colocated
+        trains on every GPU (the paper's veRL baseline); the other modes on
+        `training.gpus`, else the last `training.num_gpus` GPUs."""
+        if self.deployment.mode == "colocated":
+            return list(range(self.cluster.total_gpus))
         if self.training.gpus is not None:
             return sorted(self.training.gpus)
         n = self.cluster.total_gpus

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pivot_hpc.config.schema import Config, ShiftTimes
+from pivot_hpc.config.schema import ShiftTimes
 from pivot_hpc.errors import PivotError
-from pivot_hpc.scheduler import BusyModel, ReplicaModel, Scheduler, ThroughputModel
+from pivot_hpc.scheduler import ReplicaModel, Scheduler
 
 INFERENCE_ROLES = ("rollout", "reward")
 TRAINING = "training"
@@ -108,23 +108,6 @@ class Topology:
             roles=roles,
             training_gpus=tuple(sorted(training_gpus)),
             shift_time=shift_time or ShiftTimes(),
-        )
-
-    @classmethod
-    def from_config(cls, cfg: Config, *, vanilla: bool = False) -> Topology:
-        models: dict[str, ReplicaModel] = {}
-        for name in INFERENCE_ROLES:
-            t = getattr(cfg, name).throughput
-            models[name] = BusyModel() if vanilla else ThroughputModel(t.A, t.B, t.C, t.D)
-        return cls.build(
-            num_gpus=cfg.cluster.total_gpus,
-            gpus_per_node=cfg.cluster.gpus_per_node,
-            tp={n: getattr(cfg, n).tp for n in INFERENCE_ROLES},
-            kv_capacity={n: getattr(cfg, n).kv_capacity_tokens for n in INFERENCE_ROLES},
-            models=models,
-            training_gpus=cfg.training_gpus(),
-            allowed={n: getattr(cfg, n).gpus for n in INFERENCE_ROLES},
-            shift_time=cfg.planner.shift_time_s,
         )
 
     def gpus_of(self, rid: str) -> tuple[int, ...]:

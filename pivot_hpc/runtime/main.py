@@ -40,9 +40,7 @@ def _rendezvous(comm, cfg: Config, lay) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         return
-    from pivot_hpc.planner import Topology
-
-    master = lay.rank_of_gpu(Topology.from_config(cfg).training_gpus[0])  # its RANK 0
+    master = lay.rank_of_gpu(cfg.training_gpus()[0])  # its RANK 0
     offer = (socket.gethostname(), _free_port()) if comm.Get_rank() == master else None
     host, port = comm.bcast(offer, root=master)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
@@ -126,9 +124,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         elif lay.is_host:
             code = _wait_for_stop(comm)
         else:
-            from pivot_hpc.planner import Topology
-
-            training = [lay.rank_of_gpu(g) for g in Topology.from_config(cfg).training_gpus]
+            training = [lay.rank_of_gpu(g) for g in cfg.training_gpus()]
             from pivot_hpc.runtime.worker import Worker
 
             worker = Worker(comm, gps, cfg, dirs[0], dirs[1], training)
@@ -217,19 +213,16 @@ def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
 
 
 def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int:
-    from pivot_hpc.coordinator.coordinator import Coordinator
-    from pivot_hpc.coordinator.modes import make_mode
-    from pivot_hpc.coordinator.rl_state import RLState
+    from pivot_hpc.coordinator import build as builder
     from pivot_hpc.data.arithmetic import problems
     from pivot_hpc.models.tokenizer import load_tokenizer
-    from pivot_hpc.planner import Topology
     from pivot_hpc.runtime.live_cluster import LiveCluster
     from pivot_hpc.runtime.live_samples import LiveSamples
     from pivot_hpc.telemetry import TelemetryWriter
 
     config_dict = to_dict(cfg)  # as the user gave it (profiles below fill in constants)
     use_profiles(cfg, dirs)
-    topology = Topology.from_config(cfg, vanilla=cfg.planner.strategy == "vanilla")
+    topology = builder.configured_topology(cfg)
     tok = load_tokenizer(dirs[0])
     data = cfg.rl.data
     if data.train == "synthetic":
@@ -242,31 +235,13 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         print(f"pivot-hpc: {report.summary()}", flush=True)
     samples = LiveSamples(pool, tok, cfg.rl, seed=data.synthetic_seed)
     cluster = LiveCluster(comm, lay, topology, samples)
-    mode = make_mode(cfg, list(topology.training_gpus))
-    rl = RLState(
-        steps=cfg.loop.steps,
-        batch_prompts=cfg.loop.batch_prompts,
-        samples_per_prompt=cfg.loop.samples_per_prompt,
-        staleness=cfg.deployment.effective_staleness(),
-        dynamic_sampling=cfg.rl.grpo.dynamic_sampling,
-        resample_limit=cfg.rl.grpo.dynamic_sampling_max_batches * cfg.loop.batch_prompts,
-        source=samples,
-    )
+    rl = builder.rl_state(cfg, samples)
     restored, resume_meta = None, {}
     if resume is not None:  # before the writer: its meta records the resume
         from pivot_hpc.runtime.checkpointing import restore
 
         restored, resume_meta = restore(Path(resume[0]), resume[1], cluster, rl, samples)
-    meta = {
-        "mode": cfg.deployment.mode,
-        "strategy": cfg.planner.strategy if cfg.deployment.mode == "pivot" else "",
-        "gpus": cfg.cluster.total_gpus,
-        "simulated": False,
-        "horizon_s": cfg.planner.horizon_s,
-        "staleness": rl.staleness,
-        "config": to_dict(cfg),
-        **resume_meta,
-    }
+    meta = builder.run_meta(cfg, rl, simulated=False, config=to_dict(cfg), **resume_meta)
     from pivot_hpc.telemetry import last_time
 
     writer = TelemetryWriter(run_dir, meta=meta, time_offset=last_time(run_dir))
@@ -274,17 +249,8 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     from pivot_hpc.tracking import open_trackers
 
     trackers = open_trackers(cfg.tracking, run_dir, config_dict)
-    coord = Coordinator(
-        cluster=cluster,
-        topology=topology,
-        rl=rl,
-        mode=mode,
-        capacity={r: getattr(cfg, r).kv_capacity_tokens for r in ("rollout", "reward")},
-        rewarder=samples.reward,
-        telemetry=writer,
-        tick_s=cfg.loop.monitor_interval_s,
-        priority=cfg.scheduler.priority,
-        migration=cfg.scheduler.migration and cfg.planner.strategy != "vanilla",
+    coord = builder.build(
+        cfg, cluster=cluster, topology=topology, rl=rl, rewarder=samples.reward, telemetry=writer
     )
     from pivot_hpc.runtime import stop
     from pivot_hpc.runtime.checkpointing import LiveCheckpointer

@@ -14,11 +14,8 @@ from typing import Any
 
 from pivot_hpc.config import Config, to_dict
 from pivot_hpc.config.loader import ConfigError
+from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.coordinator import Coordinator
-from pivot_hpc.coordinator.modes import make_mode
-from pivot_hpc.coordinator.rl_state import RLState
-from pivot_hpc.planner import Topology
-from pivot_hpc.scheduler import BusyModel
 from pivot_hpc.sim.catalog import (
     HARDWARE,
     MODELS,
@@ -64,23 +61,10 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
     hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
     policy, judge = role_model(cfg, "rollout"), role_model(cfg, "reward")
     costs = role_costs(cfg, {"rollout": policy, "reward": judge})
-    mode_name = cfg.deployment.mode
-    n = cfg.cluster.total_gpus
-    training = list(range(n)) if mode_name == "colocated" else cfg.training_gpus()
-    strategy = cfg.planner.strategy if mode_name == "pivot" else None
-    vanilla = strategy == "vanilla"
-    topology = Topology.build(
-        num_gpus=n,
-        gpus_per_node=cfg.cluster.gpus_per_node,
-        tp={"rollout": cfg.rollout.tp, "reward": cfg.reward.tp},
+    topology = builder.topology(
+        cfg,
+        models={r: c.model for r, c in costs.items()},
         kv_capacity={r: c.kv_capacity_tokens for r, c in costs.items()},
-        models={
-            r: BusyModel(max_running=c.max_running) if vanilla else c.model
-            for r, c in costs.items()
-        },
-        training_gpus=training,
-        allowed={"rollout": cfg.rollout.gpus, "reward": cfg.reward.gpus},
-        shift_time=cfg.planner.shift_time_s,
     )
     terms = TrainingTerms(
         recompute_old_logprobs=cfg.sim.recompute_old_logprobs or cfg.rl.grpo.recompute_old_logprobs,
@@ -90,51 +74,29 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
     train_costs = training_costs(
         policy,
         hw,
-        len(training),
+        len(topology.training_gpus),
         cfg.sim.training_tp,
         terms,
         gpus_per_node=cfg.cluster.gpus_per_node,
     )
-    mode = make_mode(cfg, training)
     cluster = SimCluster(inference=costs, training=train_costs)
-    rl = RLState(
-        steps=cfg.loop.steps,
-        batch_prompts=cfg.loop.batch_prompts,
-        samples_per_prompt=cfg.loop.samples_per_prompt,
-        staleness=cfg.deployment.effective_staleness(),
-        dynamic_sampling=cfg.rl.grpo.dynamic_sampling,
-        resample_limit=cfg.rl.grpo.dynamic_sampling_max_batches * cfg.loop.batch_prompts,
-        source=SimWorkload(cfg.sim.workload, cfg.sim.seed),
-    )
-    coord = Coordinator(
-        cluster=cluster,
-        topology=topology,
-        rl=rl,
-        mode=mode,
-        capacity={r: c.kv_capacity_tokens for r, c in costs.items()},
-        rewarder=sim_rewarder,
-        tick_s=cfg.loop.monitor_interval_s,
-        priority=cfg.scheduler.priority,
-        migration=cfg.scheduler.migration and not vanilla,
-    )
-    meta = {
-        "mode": mode_name,
-        "strategy": strategy or "",
-        "seed": cfg.sim.seed,
-        "gpus": n,
-        "simulated": True,
-        "horizon_s": cfg.planner.horizon_s,
-        "hardware": hw.name,
-        "policy_model": policy.name,
-        "reward_model": judge.name,
-        "staleness": rl.staleness,
-        "config": json.dumps(to_dict(cfg)),
+    rl = builder.rl_state(cfg, SimWorkload(cfg.sim.workload, cfg.sim.seed))
+    coord = builder.build(cfg, cluster=cluster, topology=topology, rl=rl, rewarder=sim_rewarder)
+    meta = builder.run_meta(
+        cfg,
+        rl,
+        simulated=True,
+        seed=cfg.sim.seed,
+        hardware=hw.name,
+        policy_model=policy.name,
+        reward_model=judge.name,
+        config=json.dumps(to_dict(cfg)),
         # For the work-conserving bound (telemetry/summary.py): each role's best tokens/s
         # per GPU and training's GPU-seconds per trained token (linear part).
-        "bound_rollout_per_gpu": best_per_gpu(costs["rollout"], "rollout", cfg.rollout.tp, cfg),
-        "bound_reward_per_gpu": best_per_gpu(costs["reward"], "reward", cfg.reward.tp, cfg),
-        "bound_train_gpu_s_per_token": train_costs.gpu_s_per_token_at(mean_train_length(cfg)),
-    }
+        bound_rollout_per_gpu=best_per_gpu(costs["rollout"], "rollout", cfg.rollout.tp, cfg),
+        bound_reward_per_gpu=best_per_gpu(costs["reward"], "reward", cfg.reward.tp, cfg),
+        bound_train_gpu_s_per_token=train_costs.gpu_s_per_token_at(mean_train_length(cfg)),
+    )
     return coord, cluster, meta
 
 

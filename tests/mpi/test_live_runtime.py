@@ -78,6 +78,9 @@ def test_every_mode_completes(tmp_path: Path, mode: str) -> None:
         assert "|Δlogp|=" in out.stdout and "masked=" in out.stdout
         assert (shifts["gpus"][shifts["role"] == "training"] == 2).all()
         assert (r["allocation"]["training_gpus"][-1:] == 2).all()
+    if mode == "colocated":  # like the paper's veRL baseline (and the simulator): every GPU
+        assert (shifts["gpus"][shifts["role"] == "training"] == 4).all()
+        assert r["allocation"]["training_gpus"].max() == 4
 
 
 def test_pivot_migrates_sequences_and_keeps_tokens(tmp_path: Path) -> None:

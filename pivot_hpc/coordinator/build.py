@@ -1,0 +1,119 @@
+"""The one way to build a coordinator from a config: the simulator and the live run both
+call `build` (DESIGN.md §2: one brain, two clusters).
+
+What differs between them is passed in: the cluster, the replicas' throughput models and
+KV capacities (catalog costs in the simulator, engine profiles live), where samples come
+from and how they are rewarded. Everything the config decides — which GPUs train in each
+mode, the mode object, the RL bookkeeping, scheduler options, the telemetry header — is
+decided here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pivot_hpc.config import Config
+from pivot_hpc.coordinator.cluster import Cluster
+from pivot_hpc.coordinator.coordinator import Coordinator, Rewarder
+from pivot_hpc.coordinator.modes import make_mode
+from pivot_hpc.coordinator.rl_state import RLState, SampleSource
+from pivot_hpc.planner import Topology
+from pivot_hpc.planner.snapshot import INFERENCE_ROLES
+from pivot_hpc.scheduler import BusyModel, ReplicaModel, ThroughputModel
+
+if TYPE_CHECKING:
+    from pivot_hpc.telemetry import TelemetryWriter
+
+
+def strategy(cfg: Config) -> str:
+    """The planner strategy that runs: only pivot mode plans; '' for the static modes."""
+    return cfg.planner.strategy if cfg.deployment.mode == "pivot" else ""
+
+
+def is_vanilla(cfg: Config) -> bool:
+    """Vanilla PivotRL (§8.4): a busy/idle replica model and no migration."""
+    return strategy(cfg) == "vanilla"
+
+
+def topology(
+    cfg: Config, *, models: Mapping[str, ReplicaModel], kv_capacity: Mapping[str, int]
+) -> Topology:
+    """Replica slots, training GPUs (`Config.training_gpus`, per mode) and τ_shift."""
+    return Topology.build(
+        num_gpus=cfg.cluster.total_gpus,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        tp={r: getattr(cfg, r).tp for r in INFERENCE_ROLES},
+        kv_capacity=kv_capacity,
+        models={
+            r: BusyModel(max_running=getattr(m, "max_running", 0)) if is_vanilla(cfg) else m
+            for r, m in models.items()
+        },
+        training_gpus=cfg.training_gpus(),
+        allowed={r: getattr(cfg, r).gpus for r in INFERENCE_ROLES},
+        shift_time=cfg.planner.shift_time_s,
+    )
+
+
+def configured_topology(cfg: Config) -> Topology:
+    """The topology with the config's own throughput constants and KV capacities (the live
+    run, after engine profiles filled them in; the simulator passes catalog costs)."""
+    return topology(
+        cfg,
+        models={r: ThroughputModel(*_constants(cfg, r)) for r in INFERENCE_ROLES},
+        kv_capacity={r: getattr(cfg, r).kv_capacity_tokens for r in INFERENCE_ROLES},
+    )
+
+
+def _constants(cfg: Config, role: str) -> tuple[float, float, float, float]:
+    t = getattr(cfg, role).throughput
+    return t.A, t.B, t.C, t.D
+
+
+def rl_state(cfg: Config, source: SampleSource) -> RLState:
+    return RLState(
+        steps=cfg.loop.steps,
+        batch_prompts=cfg.loop.batch_prompts,
+        samples_per_prompt=cfg.loop.samples_per_prompt,
+        staleness=cfg.deployment.effective_staleness(),
+        dynamic_sampling=cfg.rl.grpo.dynamic_sampling,
+        resample_limit=cfg.rl.grpo.dynamic_sampling_max_batches * cfg.loop.batch_prompts,
+        source=source,
+    )
+
+
+def build(
+    cfg: Config,
+    *,
+    cluster: Cluster,
+    topology: Topology,
+    rl: RLState,
+    rewarder: Rewarder,
+    telemetry: TelemetryWriter | None = None,
+) -> Coordinator:
+    """The coordinator of `cfg` over `cluster` (`rl` may already hold a resumed state)."""
+    return Coordinator(
+        cluster=cluster,
+        topology=topology,
+        rl=rl,
+        mode=make_mode(cfg, list(topology.training_gpus)),
+        capacity={r: topology.roles[r].kv_capacity for r in INFERENCE_ROLES},
+        rewarder=rewarder,
+        telemetry=telemetry,
+        tick_s=cfg.loop.monitor_interval_s,
+        priority=cfg.scheduler.priority,
+        migration=cfg.scheduler.migration and not is_vanilla(cfg),
+    )
+
+
+def run_meta(cfg: Config, rl: RLState, *, simulated: bool, **extra: Any) -> dict[str, Any]:
+    """The telemetry file's header attributes that both kinds of run share."""
+    return {
+        "mode": cfg.deployment.mode,
+        "strategy": strategy(cfg),
+        "gpus": cfg.cluster.total_gpus,
+        "simulated": simulated,
+        "horizon_s": cfg.planner.horizon_s,
+        "staleness": rl.staleness,
+        **extra,
+    }

@@ -1,0 +1,85 @@
+"""One builder for both clusters: the simulator's coordinator and the live run's are told
+the same thing by the same config (which GPUs train, the mode, the first shifts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pivot_hpc.config import load_config
+from pivot_hpc.coordinator import build as builder
+from pivot_hpc.sim.run import build as build_sim
+from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
+
+TINY = ["cluster.nodes=1", "cluster.gpus_per_node=4", "training.num_gpus=1", "loop.steps=2"]
+
+
+class RecordingCluster:
+    """Stands where `runtime.live_cluster.LiveCluster` stands (which needs an MPI world:
+    tests/mpi runs that one): records what the coordinator asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def now(self) -> float:
+        return 0.0
+
+    def shift_up(self, rid: str, version: int) -> None:
+        self.calls.append(("up", rid, version))
+
+    def shift_down(self, rid: str) -> None:
+        self.calls.append(("down", rid))
+
+    def start(self, rid, sample, role) -> None:
+        self.calls.append(("start", rid, sample.sample_id, role))
+
+
+def first_requests(coord) -> list[tuple]:
+    """The shift-ups the mode asks for at start (the replicas are not up yet, so nothing is
+    dispatched)."""
+    asked: list[tuple] = []
+    coord.cluster.shift_up = lambda rid, version: asked.append(("up", rid, version))
+    coord.mode.start(coord)
+    coord.release()
+    return asked
+
+
+@pytest.mark.parametrize(
+    "mode,strategy",
+    [
+        ("colocated", "pivot"),
+        ("disaggregated", "pivot"),
+        ("rr_colocated", "pivot"),
+        ("pivot", "pivot"),
+        ("pivot", "static"),
+        ("pivot", "vanilla"),
+    ],
+)
+def test_sim_and_live_builds_agree(mode: str, strategy: str) -> None:
+    cfg = load_config(None, [*TINY, f"deployment.mode={mode}", f"planner.strategy={strategy}"])
+    sim, _, meta = build_sim(cfg)
+    rl = builder.rl_state(cfg, SimWorkload(cfg.sim.workload, cfg.sim.seed))
+    live = builder.build(
+        cfg,
+        cluster=RecordingCluster(),
+        topology=builder.configured_topology(cfg),
+        rl=rl,
+        rewarder=sim_rewarder,
+    )
+    assert sim.topology.training_gpus == live.topology.training_gpus
+    if mode == "colocated":  # every GPU trains, in both
+        assert sim.topology.training_gpus == (0, 1, 2, 3)
+    else:
+        assert live.topology.training_gpus == (3,)
+    assert type(sim.mode) is type(live.mode)
+    for role in ("rollout", "reward"):
+        a, b = sim.schedulers[role], live.schedulers[role]
+        assert (a.migration, a.priority_key) == (b.migration, b.priority_key)
+        assert type(sim.topology.roles[role].model) is type(live.topology.roles[role].model)
+    assert sim.schedulers["rollout"].migration == (strategy != "vanilla" or mode != "pivot")
+    assert first_requests(sim) == first_requests(live)
+    assert meta["strategy"] == (strategy if mode == "pivot" else "")
+    assert {k: meta[k] for k in ("mode", "gpus", "staleness")} == {
+        k: v
+        for k, v in builder.run_meta(cfg, rl, simulated=False).items()
+        if k in ("mode", "gpus", "staleness")
+    }
