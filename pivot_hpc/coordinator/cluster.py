@@ -33,9 +33,10 @@ class Cluster(Protocol):
         """Start (or resume, by re-prefill) the role's sequence of `sample` on `rid`."""
         ...
 
-    def abort(self, rid: str, seq_id: int) -> int | None:
-        """Stop a running sequence; its generated tokens are kept. Returns its length, or
-        None if it had already finished (its `SequenceFinished` is then held back for
+    def abort(self, where: Mapping[int, str]) -> dict[int, int | None]:
+        """Stop running sequences of one role (seq_id → the replica it runs on), all in one
+        request; their generated tokens are kept. Returns each one's length, or None where
+        it had already finished (its `SequenceFinished` is then held back for
         `take_finished`)."""
         ...
 

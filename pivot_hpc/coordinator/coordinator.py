@@ -139,6 +139,7 @@ class Coordinator:
         self.stop_requested: Callable[[], bool] = lambda: False
         self.draining = False
         self.stopped = False
+        self._hold_dispatch = False  # see take_down
 
     # ------------------------------------------------------------- loop
     def run(self, progress: Callable[[int], None] | None = None) -> None:
@@ -227,7 +228,7 @@ class Coordinator:
                 self.schedulers[role].submit(SeqState(s.sample_id, length, s))
 
     def dispatch(self, role: str) -> None:
-        if self.draining:
+        if self.draining or self._hold_dispatch:
             return
         for seq_id, rid in self.schedulers[role].dispatch():
             self._start(role, rid, seq_id)
@@ -325,16 +326,24 @@ class Coordinator:
                 continue
             sched = self.schedulers[role]
             t0 = time.perf_counter()
-            lengths = {}
-            for rid in group:
-                for seq in sched.running_on(rid):
-                    length = self.cluster.abort(rid, seq.seq_id)
-                    if length is None:  # it finished before the abort reached it
-                        self._finish_early(self.cluster.take_finished(role, seq.seq_id))
-                    else:
-                        lengths[seq.seq_id] = length
+            where = {seq.seq_id: rid for rid in group for seq in sched.running_on(rid)}
+            lengths, finished = {}, []
+            for seq_id, length in self.cluster.abort(where).items():
+                if length is None:  # it finished before the abort reached it
+                    finished.append(self.cluster.take_finished(role, seq_id))
+                else:
+                    lengths[seq_id] = length
             sched.set_lengths(lengths)
             abort_s = time.perf_counter() - t0
+            # Late finishes leave the scheduler before it migrates the rest; nothing may be
+            # dispatched onto the replicas going down meanwhile (their finish handling
+            # dispatches), so dispatching waits until they are gone.
+            self._hold_dispatch = True
+            try:
+                for ev in finished:
+                    self._finish_early(ev)
+            finally:
+                self._hold_dispatch = False
             res = sched.shift_down(group)
             for seq_id, rid in res.dispatched:
                 self._start(role, rid, seq_id)
@@ -342,6 +351,9 @@ class Coordinator:
             for rid in group:
                 self.shifting[rid] = "down"
                 self.cluster.shift_down(rid)
+            if finished:
+                for r in INFERENCE_ROLES:
+                    self.dispatch(r)
 
     def _on_shift_done(self, ev: ShiftDone) -> None:
         rid = ev.rid
@@ -412,13 +424,12 @@ class Coordinator:
             final = dict(res.dispatched)
             t1 = time.perf_counter()
             lengths, finished = {}, []
-            for seq_id, src in origin.items():
-                if final.get(seq_id) != src:
-                    length = self.cluster.abort(src, seq_id)
-                    if length is None:  # finished on `src` before the abort reached it
-                        finished.append(self.cluster.take_finished(role, seq_id))
-                    else:
-                        lengths[seq_id] = length
+            moving = {seq_id: src for seq_id, src in origin.items() if final.get(seq_id) != src}
+            for seq_id, length in self.cluster.abort(moving).items():
+                if length is None:  # finished on its source before the abort reached it
+                    finished.append(self.cluster.take_finished(role, seq_id))
+                else:
+                    lengths[seq_id] = length
             abort_s = time.perf_counter() - t1 + plan_s
             if lengths:
                 sched.set_lengths(lengths)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mpi4py import MPI
 
@@ -23,6 +23,7 @@ from pivot_hpc.coordinator.events import (
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.errors import PivotError
 from pivot_hpc.planner.snapshot import TRAINING, Topology, role_of
+from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime.protocol import CMD, EVT
 from pivot_hpc.runtime.world import Layout
 
@@ -62,8 +63,8 @@ class LiveCluster:
             return self.training_ranks
         return [self.layout.rank_of_gpu(g) for g in self.topology.gpus_of(rid)]
 
-    def _send(self, rank: int, msg: tuple) -> None:
-        self.comm.send(msg, dest=rank, tag=CMD)
+    def _send(self, rank: int, cmd: msg.Command) -> None:
+        self.comm.send(cmd, dest=rank, tag=CMD)
 
     # ------------------------------------------------------------- actions
     def shift_up(self, rid: str, version: int) -> None:
@@ -74,14 +75,14 @@ class LiveCluster:
             self.role_of_rank[r] = rid
             # a tp > 1 replica (sglang): its first rank leads the one engine over all its
             # GPUs; the others lend their GPUs and hold no engine (training: all train)
-            self._send(r, ("up", role, version, i == 0 or role == TRAINING))
+            self._send(r, msg.ShiftUp(role, version, leader=i == 0 or role == TRAINING))
 
     def _leader(self, rid: str) -> int:
         return self.rank_of[rid][0]
 
     def shift_down(self, rid: str) -> None:
         for r in self.rank_of[rid]:
-            self._send(r, ("down",))
+            self._send(r, msg.ShiftDown())
 
     def start(self, rid: str, sample: Sample, role: str) -> None:
         rank = self._leader(rid)
@@ -94,22 +95,30 @@ class LiveCluster:
             self.samples.rollout_sampling if role == "rollout" else self.samples.judge_sampling
         )
         self._where[(role, sample.sample_id)] = rank
-        self._send(rank, ("start", sample.sample_id, prompt, gen, lps, sampling))
+        self._send(rank, msg.Start(sample.sample_id, prompt, gen, lps, sampling))
 
-    def abort(self, rid: str, seq_id: int) -> int | None:
-        rank = self._leader(rid)
-        role = role_of(rid)
-        self._send(rank, ("abort", seq_id))
-        while True:  # the worker replies in order: buffer what it sent before the reply
-            msg = self.comm.recv(source=rank, tag=EVT)
-            if msg[0] == "aborted" and msg[1] == seq_id:
-                res = msg[2]
-                self._where.pop((role, seq_id), None)
+    def abort(self, where: Mapping[int, str]) -> dict[int, int | None]:
+        """One `Abort` per worker for all of its sequences, sent to every worker before any
+        reply is awaited: the round trips overlap instead of adding up."""
+        by_rank: dict[int, list[int]] = defaultdict(list)
+        role = {}
+        for seq_id, rid in where.items():
+            by_rank[self._leader(rid)].append(seq_id)
+            role[seq_id] = role_of(rid)
+        replies = self._gather(
+            list(by_rank), {r: msg.Abort(tuple(ids)) for r, ids in by_rank.items()}, msg.Aborted
+        )
+        out: dict[int, int | None] = {}
+        for reply in replies.values():
+            for seq_id, res in reply.results.items():
+                key = (role[seq_id], seq_id)
+                self._where.pop(key, None)
                 if res is None:
-                    return None
-                self._partial[(role, seq_id)] = res
-                return len(res.prompt_ids) + len(res.token_ids)
-            self._convert(msg, rank)
+                    out[seq_id] = None
+                else:
+                    self._partial[key] = res
+                    out[seq_id] = len(res.prompt_ids) + len(res.token_ids)
+        return out
 
     def take_finished(self, role: str, seq_id: int) -> SequenceFinished:
         ev = self._held.pop((role, seq_id))
@@ -118,12 +127,12 @@ class LiveCluster:
         return ev
 
     def update_weights(self, rid: str, version: int) -> None:
-        self._send(self._leader(rid), ("update", version))
+        self._send(self._leader(rid), msg.UpdateWeights(version))
 
     def train(self, step: int, samples: Sequence[Sample]) -> None:
         batch = self.samples.batch(list(samples))
         for r in self.training_ranks:
-            self._send(r, ("train", step, batch))
+            self._send(r, msg.Train(step, batch))
 
     def lengths(self, role: str) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -148,21 +157,22 @@ class LiveCluster:
         """End every other rank's loop (workers and the other nodes' host ranks); each
         returns `code` as its exit status."""
         for r in range(1, self.comm.Get_size()):
-            self._send(r, ("stop", code))
+            self._send(r, msg.Stop(code))
 
     # --------------------------------------------------------- checkpoints
     def worker_ranks(self) -> list[int]:
         return [self.layout.rank_of_gpu(g) for g in range(self.topology.num_gpus)]
 
-    def _gather(self, ranks: list[int], msg: tuple, reply: str) -> dict[int, tuple]:
-        """Send `msg` to `ranks`, collect each one's `reply` (other messages become events)."""
+    def _gather(self, ranks: list[int], cmd, reply: type) -> dict[int, msg.Event]:
+        """Send `cmd` (one for all, or one per rank) to `ranks` and collect each one's
+        `reply`; what a worker sent before its reply becomes events, in order."""
         for r in ranks:
-            self._send(r, msg)
+            self._send(r, cmd[r] if isinstance(cmd, dict) else cmd)
         out = {}
         for r in ranks:
             while True:
                 m = self.comm.recv(source=r, tag=EVT)
-                if m[0] == reply:
+                if isinstance(m, reply):
                     out[r] = m
                     break
                 self._convert(m, r)
@@ -172,10 +182,9 @@ class LiveCluster:
         """Tokens generated so far by every unfinished sequence: those aborted and waiting
         to be re-dispatched, and (peeked without disturbing them) those running."""
         out: dict[tuple[str, int], object] = dict(self._partial)
-        for m in self._gather(self.worker_ranks(), ("peek",), "peeked").values():
-            _, role, results = m
-            for res in results:
-                out[(role, res.seq_id)] = res
+        for m in self._gather(self.worker_ranks(), msg.Peek(), msg.Peeked).values():
+            for res in m.results:
+                out[(m.role, res.seq_id)] = res
         return out
 
     def set_partials(self, partials: dict[tuple[str, int], object]) -> None:
@@ -185,12 +194,12 @@ class LiveCluster:
     def save_ranks(self, path: str) -> tuple[dict[int, dict], float]:
         """Every worker's RNG states; the training ranks write `path`/train. Returns the
         states by rank and the slowest rank's save time."""
-        got = self._gather(self.worker_ranks(), ("save", path), "saved")
-        return {r: m[1] for r, m in got.items()}, max(m[2] for m in got.values())
+        got = self._gather(self.worker_ranks(), msg.Save(path), msg.Saved)
+        return {r: m.rng_states for r, m in got.items()}, max(m.seconds for m in got.values())
 
     def restore_ranks(self, path: str) -> float:
-        got = self._gather(self.worker_ranks(), ("restore", path), "restored")
-        return max(m[1] for m in got.values())
+        got = self._gather(self.worker_ranks(), msg.Restore(path), msg.Restored)
+        return max(m.seconds for m in got.values())
 
     # -------------------------------------------------------------- events
     def poll(self, until: float) -> list:
@@ -211,49 +220,49 @@ class LiveCluster:
             time.sleep(min(backoff, max(0.0, until - self.now())))
             backoff = min(backoff * 2, 0.02)
 
-    def _convert(self, msg: tuple, rank: int) -> None:
-        kind = msg[0]
+    def _convert(self, event: msg.Event, rank: int) -> None:
         t = self.now()
         rid = self.role_of_rank.get(rank)
-        if kind == "error":
-            raise WorkerFailed(f"worker {msg[1]}")
-        if kind == "finished":
-            role = role_of(rid)
-            for res in msg[1]:
-                ev = SequenceFinished(
-                    t,
-                    role,
-                    rid,
-                    res.seq_id,
-                    len(res.prompt_ids) + len(res.token_ids),
-                    len(res.token_ids),
-                    res,
-                )
-                self._where.pop((role, res.seq_id), None)
-                self._lengths[rank].pop(res.seq_id, None)
-                self._count(role, len(res.token_ids))
-                self._held[(role, res.seq_id)] = ev
-                self._pending.append(ev)
-        elif kind == "lengths":
-            self._lengths[rank] = msg[1]
-        elif kind == "shift":
-            acks = self._shift_acks[rid]
-            acks.append(msg[2])
-            if len(acks) == len(self.rank_of[rid]):
-                phases = {k: max(a.get(k, 0.0) for a in acks) for a in acks for k in a}
-                del self._shift_acks[rid]
-                if msg[1] == "down":
-                    for r in self.rank_of.pop(rid):
-                        self.role_of_rank.pop(r, None)
-                self._pending.append(ShiftDone(t, rid, msg[1], phases))
-        elif kind == "weights":
-            self._pending.append(WeightsUpdated(t, rid, msg[1]))
-        elif kind == "trained":
-            done = self._trained[msg[1]]
-            done.append(msg[2])
-            if len(done) == len(self.training_ranks):
-                del self._trained[msg[1]]
-                metrics = next(m for m in done if m.get("version") is not None)
-                self._pending.append(TrainingDone(t, msg[1], metrics))
-        else:
-            raise WorkerFailed(f"unexpected message {kind!r} from rank {rank}")
+        match event:
+            case msg.Failed(text):
+                raise WorkerFailed(f"worker {text}")
+            case msg.Finished(results):
+                role = role_of(rid)
+                for res in results:
+                    ev = SequenceFinished(
+                        t,
+                        role,
+                        rid,
+                        res.seq_id,
+                        len(res.prompt_ids) + len(res.token_ids),
+                        len(res.token_ids),
+                        res,
+                    )
+                    self._where.pop((role, res.seq_id), None)
+                    self._lengths[rank].pop(res.seq_id, None)
+                    self._count(role, len(res.token_ids))
+                    self._held[(role, res.seq_id)] = ev
+                    self._pending.append(ev)
+            case msg.Lengths(lengths):
+                self._lengths[rank] = dict(lengths)
+            case msg.Shifted(kind, phases):
+                acks = self._shift_acks[rid]
+                acks.append(phases)
+                if len(acks) == len(self.rank_of[rid]):
+                    slowest = {k: max(a.get(k, 0.0) for a in acks) for a in acks for k in a}
+                    del self._shift_acks[rid]
+                    if kind == "down":
+                        for r in self.rank_of.pop(rid):
+                            self.role_of_rank.pop(r, None)
+                    self._pending.append(ShiftDone(t, rid, kind, slowest))
+            case msg.WeightsLoaded(version):
+                self._pending.append(WeightsUpdated(t, rid, version))
+            case msg.Trained(step, metrics):
+                done = self._trained[step]
+                done.append(metrics)
+                if len(done) == len(self.training_ranks):
+                    del self._trained[step]
+                    published = next(m for m in done if m.get("version") is not None)
+                    self._pending.append(TrainingDone(t, step, dict(published)))
+            case _:
+                raise WorkerFailed(f"unexpected message {event!r} from rank {rank}")

@@ -199,7 +199,7 @@ def _wait_for_stop(comm) -> int:
 
     while not comm.Iprobe(source=0, tag=CMD):
         time.sleep(0.05)
-    return comm.recv(source=0, tag=CMD)[1]
+    return comm.recv(source=0, tag=CMD).code  # the only command a host rank gets: Stop
 
 
 def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:

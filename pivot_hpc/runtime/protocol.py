@@ -1,18 +1,185 @@
-"""Messages between the coordinator (world rank 0) and workers (pickled, two tags).
+"""The messages between the coordinator (world rank 0) and the other ranks: one frozen
+dataclass per message, the only place the protocol is written down.
 
-Coordinator → worker (tag CMD): ("up", role, version), ("down",), ("start", seq_id,
-prompt_ids, generated_ids, generated_logprobs), ("abort", seq_id), ("update", version),
-("train", step, TrainBatch), ("peek",), ("save", path | None), ("restore", path),
-("stop", exit_code).
-Worker → coordinator (tag EVT): ("shift", kind, phases), ("finished", [SeqResult]),
-("aborted", seq_id, SeqResult | None), ("lengths", {seq_id: length}),
-("weights", version), ("trained", step, metrics), ("peeked", role, [SeqResult]),
-("saved", rng_states, seconds), ("restored", seconds), ("error", text).
-A worker handles commands in order and replies in order, so an "aborted" reply follows
-any "finished" report it sent before.
+They travel as MPI messages between ranks of one job (pickled by mpi4py, never read from
+disk), on two tags: commands on CMD (coordinator → worker or host rank), events on EVT
+(worker → coordinator). A worker handles commands in order and replies in order, so an
+`Aborted` reply follows any `Finished` report the worker sent before it — which is how
+the coordinator tells an abort that came too late (the sequence is in `Finished`, and
+`Aborted` says None for it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pivot_hpc.engines.base import SamplingParams, SeqResult, TrainBatch
+
 CMD = 11
 EVT = 12
+
+
+# ------------------------------------------------------- coordinator → worker (CMD)
+@dataclass(frozen=True, slots=True)
+class ShiftUp:
+    """Take `role` ("rollout", "reward" or "training") at policy `version`. `leader`: this
+    rank runs the replica's engine (a tp > 1 sglang replica's other ranks only lend their
+    GPUs; every training rank trains)."""
+
+    role: str
+    version: int
+    leader: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ShiftDown:
+    """Leave the current role (its sequences were aborted first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Start a sequence, or resume an aborted one from its `generated` tokens (re-prefill)."""
+
+    seq_id: int
+    prompt: list[int]
+    generated: list[int]
+    logprobs: list[float]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop these running sequences, keeping their tokens (one reply for all of them)."""
+
+    seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeights:
+    """An active rollout replica reads policy `version` from GPS."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """One training step on `batch` (each data-parallel rank takes its share)."""
+
+    step: int
+    batch: TrainBatch
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """Checkpoint: report the tokens of the running sequences without disturbing them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Checkpoint: this rank's RNG states; training ranks write `path`/train (or nothing
+    when `path` is None)."""
+
+    path: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Resume from the checkpoint at `path`."""
+
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the rank's loop; it exits with `code`."""
+
+    code: int
+
+
+Command = ShiftUp | ShiftDown | Start | Abort | UpdateWeights | Train | Peek | Save | Restore | Stop
+
+
+# ------------------------------------------------------- worker → coordinator (EVT)
+@dataclass(frozen=True, slots=True)
+class Shifted:
+    """A shift finished; `phases` are its timed parts (discard_s, read_s, offload_s,
+    reload_s), seconds."""
+
+    kind: str  # "up" | "down"
+    phases: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    results: list[SeqResult]
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """Reply to `Abort`: each sequence's tokens so far, or None where it had finished
+    before the abort arrived (its result was in an earlier `Finished`)."""
+
+    results: Mapping[int, SeqResult | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """Monitor data: the context length of every running sequence (every 0.5 s)."""
+
+    lengths: Mapping[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLoaded:
+    version: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Trained:
+    """One training rank's part of step `step`; the rank that published has `version` in
+    its metrics (the others None)."""
+
+    step: int
+    metrics: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Peeked:
+    role: str | None
+    results: list[SeqResult]
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    rng_states: Mapping[str, Any]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The rank raised; `text` names it and holds its traceback (it aborts the world)."""
+
+    text: str = field(default="")
+
+
+Event = (
+    Shifted
+    | Finished
+    | Aborted
+    | Lengths
+    | WeightsLoaded
+    | Trained
+    | Peeked
+    | Saved
+    | Restored
+    | Failed
+)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime.protocol import CMD, EVT
 
 LENGTHS_EVERY_S = 0.5
@@ -76,10 +77,10 @@ class Worker:
         while True:
             busy = False
             while self.comm.Iprobe(source=0, tag=CMD):
-                msg = self.comm.recv(source=0, tag=CMD)
-                if msg[0] == "stop":
-                    return msg[1]
-                self.handle(msg)
+                cmd = self.comm.recv(source=0, tag=CMD)
+                if isinstance(cmd, msg.Stop):
+                    return cmd.code
+                self.handle(cmd)
                 busy = True
             engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
             if engine is not None and engine.has_unfinished():
@@ -87,11 +88,11 @@ class Worker:
                 if self.decode_delay_s:
                     time.sleep(self.decode_delay_s)
                 if done:
-                    self.send(("finished", done))
+                    self.send(msg.Finished(done))
                 now = time.monotonic()
                 if now - self._last_lengths > LENGTHS_EVERY_S:
                     self._last_lengths = now
-                    self.send(("lengths", engine.seq_lengths()))
+                    self.send(msg.Lengths(engine.seq_lengths()))
                 busy = True
             if busy:
                 backoff = 1e-3
@@ -99,55 +100,56 @@ class Worker:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 0.05)
 
-    def send(self, msg: tuple) -> None:
-        self.comm.send(msg, dest=0, tag=EVT)
+    def send(self, event: msg.Event) -> None:
+        self.comm.send(event, dest=0, tag=EVT)
 
     # ------------------------------------------------------------- commands
-    def handle(self, msg: tuple) -> None:
-        kind = msg[0]
+    def handle(self, cmd: msg.Command) -> None:
+        kind = type(cmd).__name__.lower()  # PIVOT_HPC_FAULT names it so: "train", "save", …
         if self.fault and self.fault.split("@")[0] == kind:
             target = self.fault.partition("@")[2]
             if not target or int(target) == self.comm.Get_rank():
                 raise RuntimeError(f"injected fault on {kind!r} (PIVOT_HPC_FAULT)")
-        if kind == "up":
-            self.shift_up(msg[1], msg[2], msg[3])
-        elif kind == "down":
-            self.shift_down()
-        elif kind == "start":
-            _, seq_id, prompt, gen, logprobs, sampling = msg
-            self.engines[self.role].add(seq_id, prompt, gen or None, sampling, logprobs or None)
-        elif kind == "abort":
-            engine = self.engines[self.role]
-            try:
-                res = engine.abort(msg[1])
-            except KeyError:
-                res = None  # finished before the abort arrived: already reported
-            self.send(("aborted", msg[1], res))
-        elif kind == "update":
-            t0 = time.perf_counter()
-            tensors, version = self.gps.read("policy", [self.comm.Get_rank()], _tp1(), device="cpu")
-            self.engines["rollout"].load_weights(tensors, version)
-            self.send(("weights", version, time.perf_counter() - t0))
-        elif kind == "train":
-            self.train(msg[1], msg[2])
-        elif kind == "peek":  # checkpoint: tokens of the running sequences, undisturbed
-            engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
-            snap = getattr(engine, "snapshot", None)
-            self.send(("peeked", self.role, snap() if snap is not None else []))
-        elif kind == "save":
-            self.save(msg[1])
-        elif kind == "restore":
-            self.restore(msg[1])
-        else:
-            raise ValueError(f"worker: unknown command {kind!r}")
+        match cmd:
+            case msg.ShiftUp(role, version, leader):
+                self.shift_up(role, version, leader)
+            case msg.ShiftDown():
+                self.shift_down()
+            case msg.Start(seq_id, prompt, generated, logprobs, sampling):
+                engine = self.engines[self.role]
+                engine.add(seq_id, prompt, generated or None, sampling, logprobs or None)
+            case msg.Abort(seq_ids):
+                self.send(msg.Aborted({s: self._abort(s) for s in seq_ids}))
+            case msg.UpdateWeights():
+                t0 = time.perf_counter()
+                rank = [self.comm.Get_rank()]
+                tensors, version = self.gps.read("policy", rank, _tp1(), device="cpu")
+                self.engines["rollout"].load_weights(tensors, version)
+                self.send(msg.WeightsLoaded(version, time.perf_counter() - t0))
+            case msg.Train(step, batch):
+                self.train(step, batch)
+            case msg.Peek():  # checkpoint: tokens of the running sequences, undisturbed
+                engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
+                snap = getattr(engine, "snapshot", None)
+                self.send(msg.Peeked(self.role, snap() if snap is not None else []))
+            case msg.Save(path):
+                self.save(path)
+            case msg.Restore(path):
+                self.restore(path)
+            case _:
+                raise ValueError(f"worker: unknown command {cmd!r}")
+
+    def _abort(self, seq_id: int):
+        try:
+            return self.engines[self.role].abort(seq_id)
+        except KeyError:
+            return None  # finished before the abort arrived: already reported
 
     def shift_up(self, role: str, version: int, leader: bool = True) -> None:
         phases: dict[str, float] = {}
         t0 = time.perf_counter()
-        self.leader = leader
-        if not leader:  # its GPU serves the replica leader's engine
-            pass
-        elif role == "training":
+        self.leader = leader  # (a non-leader's GPU serves the replica leader's engine)
+        if leader and role == "training":
             self.trainer.reload_optimizer()
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -156,7 +158,7 @@ class Worker:
                 raise RuntimeError(f"training read policy v{got} from GPS, expected v{version}")
             self.trainer.load_weights(tensors)
             phases["read_s"] = time.perf_counter() - t1
-        else:
+        elif leader:
             if role in self.lazy_roles and role not in self.engines:
                 for other in [r for r in self.engines if r != role and r in self.lazy_roles]:
                     self.engines.pop(other).close()  # one SGLang engine per process
@@ -173,7 +175,7 @@ class Worker:
             engine.load_weights(tensors, got)
             phases["read_s"] = time.perf_counter() - t1
         self.role = role
-        self.send(("shift", "up", phases))
+        self.send(msg.Shifted("up", phases))
 
     def shift_down(self) -> None:
         t0 = time.perf_counter()
@@ -185,7 +187,7 @@ class Worker:
             self.engines[self.role].release_memory(weights=True)
             phases["discard_s"] = time.perf_counter() - t0
         self.role = None
-        self.send(("shift", "down", phases))
+        self.send(msg.Shifted("down", phases))
 
     def train(self, step: int, batch) -> None:
         # data parallelism: each DP rank trains on its share of the batch (advantages were
@@ -208,7 +210,7 @@ class Worker:
             shards = {k: v.detach().contiguous() for k, v in weights.items()}
             version = self.gps.write("policy", self.training_ranks[:1], _tp1(), shards)
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
-        self.send(("trained", step, metrics))
+        self.send(msg.Trained(step, metrics))
 
     def _dp_rank(self) -> int:
         from megatron.core import parallel_state
@@ -239,7 +241,7 @@ class Worker:
         if self.trainer is not None and path is not None:
             with self._optimizer_loaded():
                 self.trainer.save(os.path.join(path, "train"))
-        self.send(("saved", self._rng_state(), time.perf_counter() - t0))
+        self.send(msg.Saved(self._rng_state(), time.perf_counter() - t0))
 
     def restore(self, path: str) -> None:
         """Resume: this rank's RNG states; training ranks load model + optimizer state."""
@@ -257,7 +259,7 @@ class Worker:
         if self.trainer is not None:
             with self._optimizer_loaded():
                 self.trainer.load(os.path.join(path, "train"))
-        self.send(("restored", time.perf_counter() - t0))
+        self.send(msg.Restored(time.perf_counter() - t0))
 
     # ------------------------------------------------------------- builders
     def _make_engine(self, role: str):
@@ -319,7 +321,8 @@ def _tp1():
 def report_error(comm) -> None:
     """Tell the coordinator why this worker is about to die, then abort the world."""
     try:
-        comm.send(("error", f"rank {comm.Get_rank()}:\n{traceback.format_exc()}"), dest=0, tag=EVT)
+        failed = msg.Failed(f"rank {comm.Get_rank()}:\n{traceback.format_exc()}")
+        comm.send(failed, dest=0, tag=EVT)
         time.sleep(2.0)  # let the coordinator print the cause before the abort lands
     finally:
         comm.Abort(1)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,8 +116,17 @@ class SimCluster:
         *,
         inference: dict[str, InferenceCosts],
         training: TrainingCosts,
+        late_finish_share: float = 0.0,
+        seed: int = 0,
     ) -> None:
+        """`late_finish_share`: the fraction of aborted running sequences that finish just
+        before their abort arrives (a live engine's race; 0 = never). Tests set it so the
+        coordinator's late-abort path runs deterministically (seeded by `seed`)."""
         self.inference = inference
+        self.late_finish_share = late_finish_share
+        self._late = random.Random(seed) if late_finish_share > 0 else None
+        self._held: dict[tuple[str, int], SequenceFinished] = {}
+        self.late_finishes = 0
         self.training = training
         self.t = 0.0
         self._heap: list[tuple[float, int, str, int, object]] = []
@@ -216,7 +226,35 @@ class SimCluster:
             del r.waiting[sid]
             self._admit(r, sid, context, done, target)
 
-    def abort(self, rid: str, seq_id: int) -> int:
+    def abort(self, where: Mapping[int, str]) -> dict[int, int | None]:
+        out: dict[int, int | None] = {}
+        for seq_id, rid in where.items():
+            if self._late is not None and seq_id in self._replicas[rid].seqs:
+                if self._late.random() < self.late_finish_share:
+                    self._finish_late(self._replicas[rid], seq_id)
+                    out[seq_id] = None
+                    continue
+            out[seq_id] = self._abort(rid, seq_id)
+        return out
+
+    def _finish_late(self, r: _Replica, seq_id: int) -> None:
+        """The sequence ends (EOS) just before the abort reaches it, as a live engine's
+        sequence can: its finish is held back for `take_finished`."""
+        self._advance(r)
+        s = r.seqs.pop(seq_id)
+        del r.offsets[seq_id]
+        length = r.length(s)
+        r.tok -= length
+        _, payload = self._targets.pop((r.role, seq_id))
+        generated = s.generated0 + (r.iters - s.base)
+        self._held[(r.role, seq_id)] = SequenceFinished(
+            self.t, r.role, r.rid, seq_id, round(length), round(generated), payload
+        )
+        self.late_finishes += 1
+        self._resume(r)
+        self._schedule(r)
+
+    def _abort(self, rid: str, seq_id: int) -> int:
         r = self._replicas[rid]
         self._advance(r)
         if seq_id in r.waiting:
@@ -256,8 +294,8 @@ class SimCluster:
             self.preempted += 1
         r.waiting = {**retracted, **r.waiting}  # retracted first: they are the oldest work
 
-    def take_finished(self, role: str, seq_id: int):
-        raise RuntimeError("the simulator aborts synchronously; nothing is held back")
+    def take_finished(self, role: str, seq_id: int) -> SequenceFinished:
+        return self._held.pop((role, seq_id))
 
     def lengths(self, role: str) -> SeqLengths:
         ids, lens = [], []

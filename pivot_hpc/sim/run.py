@@ -57,7 +57,10 @@ def role_costs(cfg: Config, models: dict[str, ModelSpec]) -> dict[str, Inference
     return out
 
 
-def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
+def build(
+    cfg: Config, *, late_finish_share: float = 0.0
+) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
+    """The simulated deployment of `cfg` (`late_finish_share`: see SimCluster; tests)."""
     hw = lookup(HARDWARE, cfg.sim.hardware, "hardware")
     policy, judge = role_model(cfg, "rollout"), role_model(cfg, "reward")
     costs = role_costs(cfg, {"rollout": policy, "reward": judge})
@@ -79,7 +82,12 @@ def build(cfg: Config) -> tuple[Coordinator, SimCluster, dict[str, Any]]:
         terms,
         gpus_per_node=cfg.cluster.gpus_per_node,
     )
-    cluster = SimCluster(inference=costs, training=train_costs)
+    cluster = SimCluster(
+        inference=costs,
+        training=train_costs,
+        late_finish_share=late_finish_share,
+        seed=cfg.sim.seed,
+    )
     rl = builder.rl_state(cfg, SimWorkload(cfg.sim.workload, cfg.sim.seed))
     coord = builder.build(cfg, cluster=cluster, topology=topology, rl=rl, rewarder=sim_rewarder)
     meta = builder.run_meta(

@@ -51,10 +51,13 @@ MODES = [
 ]
 
 
+@pytest.mark.parametrize("late", [0.0, 0.3], ids=["exact", "late-finishes"])
 @pytest.mark.parametrize(("mode", "strategy"), MODES)
-def test_every_mode_completes_with_conservation(mode: str, strategy: str) -> None:
+def test_every_mode_completes_with_conservation(mode: str, strategy: str, late: float) -> None:
+    """`late`: that share of aborted sequences finishes just before its abort arrives (a
+    live engine's race), so the coordinator's late-abort path runs on every shift kind."""
     cfg = tiny(mode, f"planner.strategy={strategy}")
-    coord, _cluster, _ = build(cfg)
+    coord, cluster, _ = build(cfg, late_finish_share=late)
     trained: list[int] = []
     coord.on_step = lambda step, m: trained.append(step)
     coord.run()
@@ -73,6 +76,7 @@ def test_every_mode_completes_with_conservation(mode: str, strategy: str) -> Non
         assert coord.stats.plans > 0
     if mode == "pivot" and strategy == "pivot":
         assert coord.stats.shifts_up > 0
+        assert (cluster.late_finishes > 0) == (late > 0)
 
 
 def test_deterministic_for_a_seed() -> None:
@@ -127,7 +131,7 @@ def test_replica_advances_by_the_throughput_model() -> None:
     (first,) = sim.poll(100.0)
     # two prefills of 100 tokens (0.01 s each), then 20 iterations of L
     assert first.seq_id == 2 and first.t == pytest.approx(1.0 + 0.02 + 20 * L)
-    assert sim.abort("rollout:0", 1) == 100 + 20  # kept 20 generated tokens
+    assert sim.abort({1: "rollout:0"}) == {1: 100 + 20}  # kept 20 generated tokens
     sim.start("rollout:0", Sample(1, 0, 0, 0, prompt_len=100, payload=payload), "rollout")
     (second,) = sim.poll(100.0)
     # re-prefill of 120 tokens, then the 30 tokens it still needed
