@@ -76,7 +76,7 @@ def namespace_prefix() -> tuple[list[str], str | None]:
 
 
 def role_of_rank(cfg: Config, rank: int) -> str:
-    per = cfg.cluster.gpus_per_node + 1
+    per = cfg.cluster.ranks_per_node
     node, local = divmod(rank, per)
     if rank == 0:
         return "the coordinator (and node 0's parameter-storage host)"
@@ -116,10 +116,10 @@ def launch(cfg: Config, world_argv: list[str], run_dir: Path) -> int:
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise PivotError("mpirun not found: install OpenMPI (apt-get install openmpi-bin)")
-    n = cfg.cluster.nodes * (cfg.cluster.gpus_per_node + 1)
+    n = cfg.cluster.world_size
     cmd = [mpirun, "-n", str(n), "--oversubscribe", "--bind-to", "none", *world_argv]
     if cfg.cluster.nodes > 1:
-        cmd[1:1] = ["--map-by", f"ppr:{cfg.cluster.gpus_per_node + 1}:node"]
+        cmd[1:1] = ["--map-by", f"ppr:{cfg.cluster.ranks_per_node}:node"]
     prefix, why_not = namespace_prefix()
     status_dir = Path(tempfile.mkdtemp(prefix="pivot-hpc-status-"))  # mode 700
     env = {**os.environ, **MPI_ENV, STATUS_DIR_ENV: str(status_dir)}

@@ -224,7 +224,7 @@ def submit(
     params: dict[str, Any] = {
         "job_name": job_name,
         "nodes": cfg.cluster.nodes,
-        "ntasks_per_node": cfg.cluster.gpus_per_node + 1,  # + 1 host rank per node
+        "ntasks_per_node": cfg.cluster.ranks_per_node,  # GPUs + 1 host rank per node
         "time": time_min,
         "signal_delay_s": signal_s,
         "srun_args": [f"--mpi={mpi}"],
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         sbatch=_parse_sbatch(args.sbatch),
     )
     folder = run_dir / "slurm"
-    tasks = cfg.cluster.gpus_per_node + 1
+    tasks = cfg.cluster.ranks_per_node
     print(
         f"pivot-hpc: submitted job {job.job_id}: {cfg.cluster.nodes} node(s) x {tasks} tasks"
         f"{f' + {cfg.cluster.gpus_per_node} GPUs/node' if gpus else ' (no GPUs requested)'}, "

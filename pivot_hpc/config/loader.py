@@ -62,14 +62,13 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(value, arg, path)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                continue  # try the next member; none matched: the error below
         raise ConfigError(f"config key '{path}': {value!r} does not match {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

@@ -19,8 +19,6 @@ from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.sim.config import SimConfig
 from pivot_hpc.tracking.config import TrackingConfig
 
-STRATEGIES = ("pivot", "static", "rule", "vanilla")
-
 
 @dataclass(kw_only=True)
 class ClusterConfig:
@@ -38,6 +36,16 @@ class ClusterConfig:
     @property
     def total_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def ranks_per_node(self) -> int:
+        """MPI ranks per node: the host rank (GPS shard; the coordinator on node 0) first,
+        then one worker per GPU."""
+        return self.gpus_per_node + 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
 
 
 @dataclass(kw_only=True)
@@ -114,7 +122,14 @@ class PlannerConfig:
     strategy: Literal["pivot", "static", "rule", "vanilla"] = "pivot"
     horizon_s: float = 60.0  # H: how long a shift's throughput gain is expected to last
     interval_s: float = 1.0  # how often the planner looks at a fresh snapshot
+    # τ_shift per role: the planner's starting values (until measured, see refit_shift_time)
     shift_time_s: ShiftTimes = field(default_factory=ShiftTimes)
+    # Refit τ_shift from the shifts the run makes (request → done, as the coordinator sees
+    # it) and use the measured values in the penalty from then on (coordinator/monitor.py)
+    refit_shift_time: bool = True
+    # Refit each inference role's throughput constants A–D from the engines' own decode
+    # step statistics while the job runs (live engines; the simulator's engine is its model)
+    refit_throughput: bool = True
     rule_high_util: float = 0.8  # `rule`: shift up a role above this KV utilisation
     rule_low_util: float = 0.1  # `rule`: shift down a role below this KV utilisation
     # Simulate every candidate while there are at most this many (the paper's procedure);

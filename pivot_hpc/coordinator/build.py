@@ -103,6 +103,8 @@ def build(
         tick_s=cfg.loop.monitor_interval_s,
         priority=cfg.scheduler.priority,
         migration=cfg.scheduler.migration and not is_vanilla(cfg),
+        refit_shift_time=cfg.planner.refit_shift_time,
+        refit_throughput=cfg.planner.refit_throughput and not is_vanilla(cfg),
     )
 
 

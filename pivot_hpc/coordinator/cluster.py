@@ -48,6 +48,11 @@ class Cluster(Protocol):
         """Current context length of every running sequence of `role` (monitor data)."""
         ...
 
+    def step_stats(self, role: str) -> list[tuple[float, int, int]]:
+        """Decode steps of the role's engines since the last call, as (seconds, N_seq,
+        N_tok), for the monitor's refit of A–D (empty where nothing is measured)."""
+        ...
+
     def update_weights(self, rid: str, version: int) -> None:
         """Make an active rollout replica load policy `version` from GPS."""
         ...

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pivot_hpc.coordinator.cluster import Cluster
 from pivot_hpc.coordinator.events import (
@@ -28,6 +28,8 @@ from pivot_hpc.coordinator.events import (
     TrainingDone,
     WeightsUpdated,
 )
+from pivot_hpc.coordinator.mode_api import Mode
+from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState, Sample
 from pivot_hpc.planner import ShiftPlan, Snapshot, Topology, TrainingState, role_of
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
@@ -44,22 +46,6 @@ class NullTelemetry:
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         return lambda *a, **k: None
-
-
-class Mode(Protocol):
-    name: str
-
-    def may_release(self, c: Coordinator, step: int) -> bool:
-        """Whether batch `step` may start rolling out (on top of the staleness bound)."""
-        ...
-
-    def start(self, c: Coordinator) -> None: ...
-
-    def on_change(self, c: Coordinator) -> None:
-        """Called after every handled event batch: react to drained stages, ready batches."""
-        ...
-
-    def on_tick(self, c: Coordinator) -> None: ...
 
 
 @dataclass
@@ -82,6 +68,7 @@ class Stats:
     steps: list[tuple[int, float, float, int, int, int]] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # per step mean reward
+    refits: int = 0  # throughput models refitted from measured decode steps
 
 
 class Coordinator:
@@ -99,6 +86,8 @@ class Coordinator:
         priority: str = "seq_id",
         migration: bool = True,
         on_step: Callable[[int, dict[str, float]], None] | None = None,
+        refit_shift_time: bool = False,
+        refit_throughput: bool = False,
     ) -> None:
         self.cluster = cluster
         self.topology = topology
@@ -140,6 +129,11 @@ class Coordinator:
         self.draining = False
         self.stopped = False
         self._hold_dispatch = False  # see take_down
+        # The monitor's refits (monitor.py): τ_shift from measured shifts, A–D from the
+        # engines' decode steps; the planner sees them through `self.topology`.
+        self.shift_clock = ShiftClock(topology.shift_time) if refit_shift_time else None
+        self.fits = {r: OnlineFit() for r in INFERENCE_ROLES} if refit_throughput else {}
+        self._shift_t0: dict[str, float] = {}  # rid -> when its shift was requested
 
     # ------------------------------------------------------------- loop
     def run(self, progress: Callable[[int], None] | None = None) -> None:
@@ -178,6 +172,11 @@ class Coordinator:
     def tick(self) -> None:
         for role in INFERENCE_ROLES:
             self.schedulers[role].set_lengths(self.cluster.lengths(role))
+        for role, fit in self.fits.items():
+            fit.add(self.cluster.step_stats(role))
+            model = fit.refit(max_running=self.topology.roles[role].model.max_running)
+            if model is not None:
+                self._set_model(role, model)
         self._log_throughput()
         if not self.draining:
             self.mode.on_tick(self)
@@ -193,6 +192,14 @@ class Coordinator:
             pass  # the replica_version was set when the update was requested (see below)
         else:
             raise TypeError(f"unknown event {ev!r}")
+
+    def _set_model(self, role: str, model) -> None:
+        """A refitted throughput model: the planner and the scheduler use it from now on."""
+        spec = dataclasses.replace(self.topology.roles[role], model=model)
+        roles = {**self.topology.roles, role: spec}
+        self.topology = dataclasses.replace(self.topology, roles=roles)
+        self.schedulers[role].set_model(model)
+        self.stats.refits += 1
 
     # ------------------------------------------------------- sequences
     def release(self) -> None:
@@ -306,16 +313,19 @@ class Coordinator:
                 self.owner[g] = rid
             self.shifting[rid] = "up"
             self.up_version[rid] = self.rl.version
+            self._shift_t0[rid] = self.cluster.now()
             self.cluster.shift_up(rid, self.rl.version)
         self.pending_up = waiting
 
     def take_down(self, rids: Iterable[str]) -> None:
         """Shift replicas down: abort + migrate their sequences (Alg. 3), then release GPUs."""
         by_role: dict[str, list[str]] = defaultdict(list)
+        now = self.cluster.now()
         for rid in rids:
             if rid in self.shifting:
                 raise ConservationError(f"{rid} is already shifting")
             by_role[role_of(rid)].append(rid)
+            self._shift_t0[rid] = now  # its GPUs are lost from here (aborts included)
         for role, group in by_role.items():
             if role == TRAINING:
                 if self.training.busy:
@@ -360,23 +370,29 @@ class Coordinator:
         if self.shifting.pop(rid, None) != ev.kind:
             raise ConservationError(f"unexpected shift-{ev.kind} completion of {rid}")
         role = role_of(rid)
+        started = self._shift_t0.pop(rid, None)
+        if self.shift_clock is not None and started is not None:
+            self.shift_clock.observe(role, ev.kind, ev.t - started)
+            self.topology = dataclasses.replace(
+                self.topology, shift_time=self.shift_clock.shift_times()
+            )
         plan_id, phi, benefit = self.plan_of.pop(rid, (0, 0.0, 0.0))
         gpus = len(self.topology.gpus_of(rid))
         ph = ev.phases
         self.telemetry.shift(
             ev.t,
-            ev.kind,
-            role,
-            rid,
-            gpus,
-            plan_id,
-            phi,
-            benefit,
-            ph.get("discard_s", 0.0),
-            ph.get("read_s", 0.0),
-            ph.get("offload_s", 0.0),
-            ph.get("reload_s", 0.0),
-            sum(ph.values()),
+            kind=ev.kind,
+            role=role,
+            replica=rid,
+            gpus=gpus,
+            plan_id=plan_id,
+            penalty=phi,
+            benefit=benefit,
+            discard_s=ph.get("discard_s", 0.0),
+            read_s=ph.get("read_s", 0.0),
+            offload_s=ph.get("offload_s", 0.0),
+            reload_s=ph.get("reload_s", 0.0),
+            total_s=sum(ph.values()),
         )
         if ev.kind == "down":
             self.stats.shifts_down += 1
@@ -413,18 +429,11 @@ class Coordinator:
             t0 = time.perf_counter()
             res = sched.shift_up([(rid, self.capacity[role], spec.model) for rid in rids])
             plan_s = time.perf_counter() - t0
-            # Net effect of the moves: a sequence may move twice within one migration;
-            # the cluster aborts it where it runs and starts it where it ends up.
-            # (dispatched = queue phase first, then one entry per migration move)
-            from_queue = {sid for sid, _ in res.dispatched[: len(res.dispatched) - res.migrations]}
-            origin: dict[int, str] = {}
-            for seq_id, src in res.aborted:
-                if seq_id not in from_queue:
-                    origin.setdefault(seq_id, src)
-            final = dict(res.dispatched)
+            # Net effect of the moves: the cluster stops a moved sequence where it runs and
+            # starts it where it ends up (it may have moved twice within one migration).
+            moving, starts = res.net_moves()
             t1 = time.perf_counter()
             lengths, finished = {}, []
-            moving = {seq_id: src for seq_id, src in origin.items() if final.get(seq_id) != src}
             for seq_id, length in self.cluster.abort(moving).items():
                 if length is None:  # finished on its source before the abort reached it
                     finished.append(self.cluster.take_finished(role, seq_id))
@@ -436,8 +445,8 @@ class Coordinator:
             for ev in finished:  # the scheduler already moved it: finish it where it is now
                 self._finish_early(dataclasses.replace(ev, rid=sched.location(ev.seq_id)))
             done = {ev.seq_id for ev in finished}
-            for seq_id, dst in final.items():
-                if seq_id not in done and (seq_id not in origin or origin[seq_id] != dst):
+            for seq_id, dst in starts.items():
+                if seq_id not in done:
                     self._start(role, dst, seq_id)
             self._log_migration(role, "up", res, abort_s)
 
@@ -454,12 +463,12 @@ class Coordinator:
         reprefill = max((self.cluster.prefill_time(role, n) for n in per_dst.values()), default=0.0)
         self.telemetry.migration(
             self.cluster.now(),
-            role,
-            kind,
-            moved,
-            abort_s,
-            res.dispatch_s + res.migrate_s,
-            reprefill,
+            role=role,
+            kind=kind,
+            sequences=moved,
+            abort_s=abort_s,
+            dispatch_s=res.dispatch_s + res.migrate_s,
+            reprefill_s=reprefill,
         )
 
     # ---------------------------------------------------------- training
@@ -495,29 +504,29 @@ class Coordinator:
         )
         self.telemetry.step(
             ev.step,
-            log.start,
-            ev.t,
-            log.rollout_tokens,
-            log.reward_tokens,
-            train_tokens,
-            n,
-            mean,
-            sum(s.reward_verifiable for s in batch) / n,
-            sum(s.reward_genrm for s in batch) / n,
-            float(ev.metrics.get("loss", float("nan"))),
-            max(stale),
-            sum(stale) / n,
-            self.rl.version,
+            start=log.start,
+            end=ev.t,
+            rollout_tokens=log.rollout_tokens,
+            reward_tokens=log.reward_tokens,
+            train_tokens=train_tokens,
+            samples=n,
+            reward_mean=mean,
+            reward_verifiable_mean=sum(s.reward_verifiable for s in batch) / n,
+            reward_genrm_mean=sum(s.reward_genrm for s in batch) / n,
+            loss=float(ev.metrics.get("loss", float("nan"))),
+            staleness_max=max(stale),
+            staleness_mean=sum(stale) / n,
+            version=self.rl.version,
         )
         for s in batch:
             self.telemetry.trained(
                 ev.step,
-                s.sample_id,
-                s.prompt_index,
-                s.group,
-                s.version_start,
-                s.response_len,
-                s.reward,
+                sample_id=s.sample_id,
+                prompt_index=s.prompt_index,
+                group=s.group,
+                version_start=s.version_start,
+                response_tokens=s.response_len,
+                reward=s.reward,
             )
         self.telemetry.flush()
         for s in batch:
@@ -569,18 +578,18 @@ class Coordinator:
         t = plan.timings
         self.telemetry.planner(
             self.cluster.now(),
-            self.plan_id,
-            plan.strategy,
-            plan.up_role or "",
-            len(plan.up),
-            len(plan.down),
-            len(plan.candidates),
-            t.preprocess_s,
-            t.construct_s,
-            t.simulate_s,
-            plan.benefit,
-            plan.throughput_current,
-            plan.throughput_expected,
+            plan_id=self.plan_id,
+            strategy=plan.strategy,
+            up_role=plan.up_role or "",
+            n_up=len(plan.up),
+            n_down=len(plan.down),
+            candidates=len(plan.candidates),
+            preprocess_s=t.preprocess_s,
+            construct_s=t.construct_s,
+            simulate_s=t.simulate_s,
+            benefit=plan.benefit,
+            throughput_current=plan.throughput_current,
+            throughput_expected=plan.throughput_expected,
         )
         if plan.is_noop:
             return
@@ -598,14 +607,14 @@ class Coordinator:
             n_tok = sum(v.n_tok for v in s.replica_views())
             self.telemetry.throughput(
                 t,
-                role,
-                len(s.replicas),
-                len(s.replicas) * self.topology.roles[role].tp,
-                s.n_seq,
-                s.n_queued,
-                n_tok,
-                self.cluster.measured_throughput(role),
-                s.throughput(),
+                role=role,
+                replicas=len(s.replicas),
+                gpus=len(s.replicas) * self.topology.roles[role].tp,
+                n_seq=s.n_seq,
+                n_queued=s.n_queued,
+                n_tok=n_tok,
+                tokens_per_s=self.cluster.measured_throughput(role),
+                est_tokens_per_s=s.throughput(),
             )
 
     def allocation(self) -> dict[str, int]:

@@ -7,6 +7,8 @@ rr_colocated   rollout and reward share one pool that alternates by batch (rollo
                then reward of s); training has its own GPUs and overlaps.
 pivot          GPUs shift at run time as the planner decides (strategy pivot, vanilla,
                static or rule; the last two start from the disaggregated split).
+
+A mode sees the coordinator through `mode_api.ModeView`: what it may read and ask.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from dataclasses import dataclass
 
 from pivot_hpc.config import Config
 from pivot_hpc.config.loader import ConfigError
+from pivot_hpc.coordinator.mode_api import ModeView
 from pivot_hpc.planner import Strategy, make_strategy, replica_id
 from pivot_hpc.planner.snapshot import TRAINING, Topology
-
-MODES = ("colocated", "disaggregated", "rr_colocated", "pivot")
 
 
 def slots_within(topology: Topology, role: str, gpus: set[int]) -> list[str]:
@@ -34,11 +35,6 @@ class Split:
     reward: set[int]
 
 
-def _awaits_rollout(c, step: int) -> bool:
-    """Batch `step` holds samples not rolled out yet (dynamic sampling's replacements)."""
-    return any(not s.rolled_out for s in c.rl.batches.get(step, ()))
-
-
 class Colocated:
     name = "colocated"
 
@@ -47,28 +43,27 @@ class Colocated:
         self.everything: set[int] = set()
         self.trained_to = 0
 
-    def may_release(self, c, step: int) -> bool:
+    def may_release(self, c: ModeView, step: int) -> bool:
         return True  # staleness 0 already serialises the batches
 
-    def start(self, c) -> None:
+    def start(self, c: ModeView) -> None:
         self.everything = set(range(c.topology.num_gpus))
         self.trained_to = c.rl.version
         c.request_up(slots_within(c.topology, "rollout", self.everything))
 
-    def on_tick(self, c) -> None:
+    def on_tick(self, c: ModeView) -> None:
         pass
 
-    def on_change(self, c) -> None:
+    def on_change(self, c: ModeView) -> None:
         if not c.idle():
             return
         ro, rm = c.schedulers["rollout"], c.schedulers["reward"]
         step = c.rl.version
-        if self.stage == "rollout" and step in c.rl.batches and ro.n_seq == 0:
-            if all(s.rolled_out for s in c.rl.batches[step]):
-                self.stage = "reward"
-                c.take_down(list(ro.replicas))
-                c.request_up(slots_within(c.topology, "reward", self.everything))
-        elif self.stage == "reward" and rm.n_seq == 0 and _awaits_rollout(c, step):
+        if self.stage == "rollout" and ro.n_seq == 0 and c.rl.rolled_out(step):
+            self.stage = "reward"
+            c.take_down(list(ro.replicas))
+            c.request_up(slots_within(c.topology, "reward", self.everything))
+        elif self.stage == "reward" and rm.n_seq == 0 and c.rl.awaits_rollout(step):
             self.stage = "rollout"  # dynamic sampling drew fresh prompts: roll them out
             c.take_down(list(rm.replicas))
             c.request_up(slots_within(c.topology, "rollout", self.everything))
@@ -89,18 +84,18 @@ class Disaggregated:
     def __init__(self, split: Split) -> None:
         self.split = split
 
-    def may_release(self, c, step: int) -> bool:
+    def may_release(self, c: ModeView, step: int) -> bool:
         return True
 
-    def start(self, c) -> None:
+    def start(self, c: ModeView) -> None:
         c.request_up(slots_within(c.topology, "rollout", self.split.rollout))
         c.request_up(slots_within(c.topology, "reward", self.split.reward))
         c.request_up([TRAINING])
 
-    def on_tick(self, c) -> None:
+    def on_tick(self, c: ModeView) -> None:
         pass
 
-    def on_change(self, c) -> None:
+    def on_change(self, c: ModeView) -> None:
         pass
 
 
@@ -112,36 +107,33 @@ class RolloutRewardColocated:
         self.phase = "rollout"
         self.batch = 0
 
-    def may_release(self, c, step: int) -> bool:
+    def may_release(self, c: ModeView, step: int) -> bool:
         return step <= self.batch  # the pool rolls out one batch at a time
 
-    def start(self, c) -> None:
+    def start(self, c: ModeView) -> None:
         # A resumed run continues with its oldest batch whose rewards are incomplete.
-        unfinished = [b for b, ss in c.rl.batches.items() if c.rl.rewarded_count[b] < len(ss)]
-        self.batch = min(unfinished, default=c.rl.released)
+        self.batch = c.rl.oldest_unrewarded()
         c.request_up(slots_within(c.topology, "rollout", self.pool))
         c.request_up([TRAINING])
 
-    def on_tick(self, c) -> None:
+    def on_tick(self, c: ModeView) -> None:
         pass
 
-    def on_change(self, c) -> None:
+    def on_change(self, c: ModeView) -> None:
         if not c.idle():
             return
         b = self.batch
         ro, rm = c.schedulers["rollout"], c.schedulers["reward"]
-        if self.phase == "rollout" and b in c.rl.batches:
-            if all(s.rolled_out for s in c.rl.batches[b]):
-                self.phase = "reward"
-                c.take_down(list(ro.replicas))
-                c.request_up(slots_within(c.topology, "reward", self.pool))
-        elif self.phase == "reward" and rm.n_seq == 0 and _awaits_rollout(c, b):
+        if self.phase == "rollout" and c.rl.rolled_out(b):
+            self.phase = "reward"
+            c.take_down(list(ro.replicas))
+            c.request_up(slots_within(c.topology, "reward", self.pool))
+        elif self.phase == "reward" and rm.n_seq == 0 and c.rl.awaits_rollout(b):
             self.phase = "rollout"  # dynamic sampling drew fresh prompts: roll them out
             c.take_down(list(rm.replicas))
             c.request_up(slots_within(c.topology, "rollout", self.pool))
         elif self.phase == "reward":
-            batch = c.rl.batches.get(b)
-            if batch is None or c.rl.rewarded_count[b] == len(batch):
+            if c.rl.rewarded(b):
                 if b + 1 >= c.rl.steps:
                     self.phase = "done"
                     return
@@ -164,10 +156,10 @@ class Shifting:
         self.split = split  # static/rule start from the disaggregated split
         self.next_plan = 0.0
 
-    def may_release(self, c, step: int) -> bool:
+    def may_release(self, c: ModeView, step: int) -> bool:
         return True
 
-    def start(self, c) -> None:
+    def start(self, c: ModeView) -> None:
         if self.split is None:  # §8.3: PivotRL starts with every GPU rolling out
             c.request_up(slots_within(c.topology, "rollout", set(range(c.topology.num_gpus))))
         else:
@@ -175,10 +167,10 @@ class Shifting:
             c.request_up(slots_within(c.topology, "reward", self.split.reward))
             c.request_up([TRAINING])
 
-    def on_change(self, c) -> None:
+    def on_change(self, c: ModeView) -> None:
         pass
 
-    def on_tick(self, c) -> None:
+    def on_tick(self, c: ModeView) -> None:
         now = c.cluster.now()
         if now < self.next_plan or not c.idle():
             return

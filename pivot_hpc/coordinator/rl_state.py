@@ -103,6 +103,24 @@ class RLState:
         self.released += 1
         return out
 
+    # ------------------------------------------------ what the deployment modes ask
+    def rolled_out(self, step: int) -> bool:
+        """Batch `step` is released and every one of its samples is rolled out."""
+        return step in self.batches and all(s.rolled_out for s in self.batches[step])
+
+    def awaits_rollout(self, step: int) -> bool:
+        """Batch `step` holds samples not rolled out yet (dynamic sampling's replacements)."""
+        return any(not s.rolled_out for s in self.batches.get(step, ()))
+
+    def rewarded(self, step: int) -> bool:
+        """Every sample of batch `step` is rewarded (or it was trained already)."""
+        batch = self.batches.get(step)
+        return batch is None or self.rewarded_count[step] == len(batch)
+
+    def oldest_unrewarded(self) -> int:
+        """The oldest released batch whose rewards are incomplete, else the next one."""
+        return min((b for b in self.batches if not self.rewarded(b)), default=self.released)
+
     def rollout_done(self, s: Sample, response_len: int) -> None:
         if s.rolled_out:
             raise ConservationError(f"sample {s.sample_id} finished rollout twice")

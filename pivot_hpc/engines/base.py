@@ -83,7 +83,9 @@ class EngineStats:
     tokens_in_cache: int  # KV-cache tokens held by running sequences
     kv_capacity: int  # tokens
     last_step_s: float  # wall time of the last decode step
-    steps: int = 0
+    last_step_seqs: int = 0  # N_seq of the last decode step (0: not reported)
+    last_step_tokens: int = 0  # N_tok (KV tokens attended) of the last decode step
+    steps: int = 0  # decode steps so far
     preemptions: int = 0  # running sequences pushed back to waiting under KV pressure
 
 

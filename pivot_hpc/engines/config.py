@@ -42,9 +42,11 @@ class InferenceEngineConfig:
     engine: Literal["hf", "sglang"] = "hf"  # which engine serves the role
     max_batch: int = 256  # running sequences at most (KV slots)
     max_seq_len: int | None = None  # None = the model's max_position_embeddings
-    prefill_chunk_tokens: int = 4096  # padded tokens per prefill forward
-    num_threads: int = 1  # torch threads of the worker process
-    seed: int = 0  # sampling seed of the engine
+    # padded tokens prefilled per engine step (hf: one prefill forward per step): bounds a
+    # step's latency, and so how long an abort or shift waits for the engine
+    prefill_chunk_tokens: int = 4096
+    num_threads: int = 1  # torch threads of the worker process (hf)
+    seed: int = 0  # sampling seed; each worker samples with seed + rl.trainer.seed + its rank
     # A YAML file written by `pivot-hpc profile`; its fitted constants replace the role's
     # `throughput` section (see pivot_hpc.engines.profile.apply_profiles).
     throughput_profile: Path | None = None

@@ -41,8 +41,10 @@ def make_inference_engine(
         model,
         kv_capacity_tokens=rc.kv_capacity_tokens,
         max_batch=ec.max_batch,
+        max_seq_len=ec.max_seq_len,
+        prefill_chunk_tokens=ec.prefill_chunk_tokens,
         eos_token_id=tok.eos_token_id,
-        num_threads=1,  # one torch thread per worker process (PLATFORM.md)
+        num_threads=ec.num_threads,  # 1 by default: one thread per worker (PLATFORM.md)
         seed=seed,
     )
 

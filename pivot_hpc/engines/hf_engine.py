@@ -95,6 +95,7 @@ class HFEngine:
         self._by_id: dict[int, _Seq] = {}
         self._admissions = 0
         self._last_step_s = 0.0
+        self._last_step_shape = (0, 0)  # (N_seq, N_tok) of the last decode step
         self._steps = 0
         self._preemptions = 0
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
@@ -210,6 +211,8 @@ class HFEngine:
             tokens_in_cache=self._tokens_in_cache(),
             kv_capacity=self.kv_capacity,
             last_step_s=self._last_step_s,
+            last_step_seqs=self._last_step_shape[0],
+            last_step_tokens=self._last_step_shape[1],
             steps=self._steps,
             preemptions=self._preemptions,
         )
@@ -301,6 +304,8 @@ class HFEngine:
         admitted: list[_Seq] = []
         # every running sequence needs one more token in this step's decode
         budget = self.kv_capacity - self._tokens_in_cache() - len(self.running)
+        longest = 0  # one prefill forward per step (SGLang's chunked prefill does the same):
+        # a step's latency stays bounded, and with it how long a command waits for the engine
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             s = self.waiting[0]
             if s.finish is not None:
@@ -308,6 +313,10 @@ class HFEngine:
             need = len(s.prompt) + len(s.out) + 1
             if need > budget:
                 break
+            padded = max(longest, need - 1) * (len(admitted) + 1)
+            if admitted and padded > self.prefill_chunk_tokens:
+                break
+            longest = max(longest, need - 1)
             budget -= need
             self.waiting.popleft()
             self._admissions += 1
@@ -438,6 +447,7 @@ class HFEngine:
             s.cached += 1
         self._sample(seqs, logits)
         self._last_step_s = time.perf_counter() - t0
+        self._last_step_shape = (n, int(pos.sum()) + n)
         self._steps += 1
 
     # ------------------------------------------------------------ sampling

@@ -53,10 +53,21 @@ class LiveCluster:
         self._shift_acks: dict[str, list[dict]] = defaultdict(list)
         self._trained: dict[int, list[dict]] = defaultdict(list)
         self._tokens = {"rollout": 0, "reward": 0}
+        self._steps: dict[str, list[tuple[float, int, int]]] = defaultdict(list)
+        self._ready: dict[int, float] = {}  # worker rank -> its start-up seconds
         self._window = {"rollout": (0.0, 0), "reward": (0.0, 0)}
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    def wait_ready(self) -> float:
+        """Wait until every worker has built its engines and trainer (the run starts then:
+        a worker's start-up is not a shift); returns the slowest worker's seconds."""
+        status = MPI.Status()
+        while len(self._ready) < len(self.worker_ranks()):
+            m = self.comm.recv(source=MPI.ANY_SOURCE, tag=EVT, status=status)
+            self._convert(m, status.Get_source())
+        return max(self._ready.values(), default=0.0)
 
     def _ranks(self, rid: str) -> list[int]:
         if rid == TRAINING:
@@ -141,6 +152,10 @@ class LiveCluster:
                 out[seq_id] = self._lengths[rank][seq_id]
         return out
 
+    def step_stats(self, role: str) -> list[tuple[float, int, int]]:
+        out, self._steps[role] = self._steps[role], []
+        return out
+
     def prefill_time(self, role: str, tokens: int) -> float:
         return 0.0  # the hf engine does not report re-prefill time separately
 
@@ -218,7 +233,7 @@ class LiveCluster:
                 self._delivered = [e for e in out if isinstance(e, SequenceFinished)]
                 return out
             time.sleep(min(backoff, max(0.0, until - self.now())))
-            backoff = min(backoff * 2, 0.02)
+            backoff = min(backoff * 2, 0.005)  # an event waits at most 5 ms for us
 
     def _convert(self, event: msg.Event, rank: int) -> None:
         t = self.now()
@@ -226,6 +241,8 @@ class LiveCluster:
         match event:
             case msg.Failed(text):
                 raise WorkerFailed(f"worker {text}")
+            case msg.Ready(seconds):
+                self._ready[rank] = seconds
             case msg.Finished(results):
                 role = role_of(rid)
                 for res in results:
@@ -243,8 +260,10 @@ class LiveCluster:
                     self._count(role, len(res.token_ids))
                     self._held[(role, res.seq_id)] = ev
                     self._pending.append(ev)
-            case msg.Lengths(lengths):
+            case msg.Lengths(lengths, steps):
                 self._lengths[rank] = dict(lengths)
+                if steps and rid is not None:
+                    self._steps[role_of(rid)].extend(steps)
             case msg.Shifted(kind, phases):
                 acks = self._shift_acks[rid]
                 acks.append(phases)

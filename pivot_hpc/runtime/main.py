@@ -128,6 +128,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
             from pivot_hpc.runtime.worker import Worker
 
             worker = Worker(comm, gps, cfg, dirs[0], dirs[1], training)
+            worker.yield_to_coordinator()
             worker.prepare()
             code = worker.serve()
     except Exception:
@@ -296,6 +297,8 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
 
     if evaluator is not None:
         evaluate()  # the starting point (workers are still preparing meanwhile)
+    ready_s = cluster.wait_ready()
+    print(f"pivot-hpc: {len(cluster.worker_ranks())} workers ready ({ready_s:.1f}s)", flush=True)
     started = time.monotonic()
 
     def log_step(step: int, m: dict) -> None:

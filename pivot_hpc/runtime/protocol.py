@@ -104,6 +104,13 @@ Command = ShiftUp | ShiftDown | Start | Abort | UpdateWeights | Train | Peek | S
 
 # ------------------------------------------------------- worker → coordinator (EVT)
 @dataclass(frozen=True, slots=True)
+class Ready:
+    """The worker built its preserved context (engines, trainer) and serves commands."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Shifted:
     """A shift finished; `phases` are its timed parts (discard_s, read_s, offload_s,
     reload_s), seconds."""
@@ -127,9 +134,12 @@ class Aborted:
 
 @dataclass(frozen=True, slots=True)
 class Lengths:
-    """Monitor data: the context length of every running sequence (every 0.5 s)."""
+    """Monitor data (every 0.5 s): the context length of every running sequence, and the
+    decode steps since the last report as (seconds, N_seq, N_tok) for the online refit of
+    the role's throughput constants."""
 
     lengths: Mapping[int, int]
+    steps: list[tuple[float, int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

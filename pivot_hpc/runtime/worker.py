@@ -7,8 +7,9 @@ Role shifting follows the four context categories of §5.2:
 - preserved (the engine objects, torch.distributed groups): kept across shifts.
 Each phase is timed and reported with the shift.
 
-An idle worker polls with exponential back-off (1 ms → 50 ms) instead of a blocking
-receive, which OpenMPI implements by spinning a core.
+An idle worker polls with exponential back-off (1 ms → 5 ms) instead of a blocking
+receive, which OpenMPI implements by spinning a core. The cap bounds how long a shift
+command waits for an idle worker (a shift's own phases take milliseconds on CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime.protocol import CMD, EVT
 
 LENGTHS_EVERY_S = 0.5
+IDLE_POLL_MAX_S = 0.005
 ROLES = ("rollout", "reward")
 
 
@@ -41,10 +43,20 @@ class Worker:
         self.role: str | None = None
         self.leader = True  # False: a non-leading rank of a tp > 1 inference replica
         self._last_lengths = 0.0
+        self._steps: list[tuple[float, int, int]] = []  # decode steps for the monitor
+        self._added = False  # a sequence arrived since the engine's last step
         self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
         # tests: seconds added to every decode step, so that sequences are still running
         # when a test signals or kills the job
         self.decode_delay_s = float(os.environ.get("PIVOT_HPC_DECODE_DELAY_S", "0"))
+
+    def yield_to_coordinator(self) -> None:
+        """Where a node has fewer cores than ranks (a CPU workstation), workers run at a
+        lower priority: the coordinator's short, latency-bound work (dispatch, shifts)
+        then does not queue behind engine steps. No effect where cores are not shared."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cores is not None and cores < self.cfg.cluster.ranks_per_node:
+            os.nice(5)
 
     def prepare(self) -> None:
         """Build the preserved context once: both engines (weights released until a shift
@@ -54,7 +66,8 @@ class Worker:
         to the role (the other ranks of a tp > 1 replica lend it their GPUs), and SGLang
         keeps its configuration process-wide, so a worker holds one SGLang engine at a
         time: shifting up to the other sglang role closes it (a cold start, reported in
-        the shift's reload phase)."""
+        the shift's reload phase). Tells the coordinator when it is done (`Ready`)."""
+        t0 = time.perf_counter()
         # GPU engines are built by replica leaders only, at their first shift up
         self.lazy_roles = {r for r in ROLES if getattr(self.cfg.engines, r).engine != "hf"}
         for role in ROLES:
@@ -69,6 +82,7 @@ class Worker:
                 from pivot_hpc.models.zoo import load_model
 
                 self.reference = load_model(self.dirs["rollout"])[0]
+        self.send(msg.Ready(time.perf_counter() - t0))
 
     # ----------------------------------------------------------------- loop
     def serve(self) -> int:
@@ -84,21 +98,41 @@ class Worker:
                 busy = True
             engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
             if engine is not None and engine.has_unfinished():
+                before = self._decode_steps(engine)
                 done = engine.step()
                 if self.decode_delay_s:
                     time.sleep(self.decode_delay_s)
                 if done:
                     self.send(msg.Finished(done))
+                self._record_step(engine, before)
                 now = time.monotonic()
                 if now - self._last_lengths > LENGTHS_EVERY_S:
                     self._last_lengths = now
-                    self.send(msg.Lengths(engine.seq_lengths()))
+                    steps, self._steps = self._steps, []
+                    self.send(msg.Lengths(engine.seq_lengths(), steps))
                 busy = True
             if busy:
                 backoff = 1e-3
             else:
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 0.05)
+                backoff = min(backoff * 2, IDLE_POLL_MAX_S)
+
+    @staticmethod
+    def _decode_steps(engine) -> int:
+        stats = getattr(engine, "stats", None)
+        return stats().steps if stats is not None else 0
+
+    def _record_step(self, engine, before: int) -> None:
+        """Keep a decode step's (seconds, N_seq, N_tok) for the monitor's refit — only
+        from an engine step that decoded and did not also prefill newcomers (a prefill
+        is not what the decode model describes)."""
+        added, self._added = self._added, False
+        stats = getattr(engine, "stats", None)
+        if added or stats is None:
+            return
+        st = stats()
+        if st.steps == before + 1 and st.last_step_seqs > 0:
+            self._steps.append((st.last_step_s, st.last_step_seqs, st.last_step_tokens))
 
     def send(self, event: msg.Event) -> None:
         self.comm.send(event, dest=0, tag=EVT)
@@ -118,6 +152,7 @@ class Worker:
             case msg.Start(seq_id, prompt, generated, logprobs, sampling):
                 engine = self.engines[self.role]
                 engine.add(seq_id, prompt, generated or None, sampling, logprobs or None)
+                self._added = True
             case msg.Abort(seq_ids):
                 self.send(msg.Aborted({s: self._abort(s) for s in seq_ids}))
             case msg.UpdateWeights():
@@ -166,6 +201,7 @@ class Worker:
                 self.engines[role].release_memory(weights=True)
             engine = self.engines[role]
             engine.resume_memory()
+            self._steps = []  # the previous role's steps are not this one's
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             model = "policy" if role == "rollout" else "genrm"
@@ -178,6 +214,7 @@ class Worker:
         self.send(msg.Shifted("up", phases))
 
     def shift_down(self) -> None:
+        self._steps = []
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         if self.role == "training":
@@ -269,8 +306,11 @@ class Worker:
             self.cfg,
             role,
             self.dirs[role],
-            seed=self.cfg.rl.trainer.seed + self.comm.Get_rank(),
-            gpu=self.comm.Get_rank() % (self.cfg.cluster.gpus_per_node + 1) - 1,
+            # a distinct stream per worker; rl.trainer.seed varies the whole run
+            seed=getattr(self.cfg.engines, role).seed
+            + self.cfg.rl.trainer.seed
+            + self.comm.Get_rank(),
+            gpu=self.comm.Get_rank() % self.cfg.cluster.ranks_per_node - 1,
         )
 
     def _make_trainer(self):

@@ -45,7 +45,7 @@ class Layout:
 
 
 def expected_size(cfg: Config) -> int:
-    return cfg.cluster.nodes * (cfg.cluster.gpus_per_node + 1)
+    return cfg.cluster.world_size
 
 
 def check_launch(cfg: Config, size: int) -> None:
@@ -56,7 +56,7 @@ def check_launch(cfg: Config, size: int) -> None:
             f"the MPI world has {size} ranks but the config needs {want}: cluster.nodes="
             f"{cfg.cluster.nodes} × (cluster.gpus_per_node={cfg.cluster.gpus_per_node} workers "
             "+ 1 host rank); launch with that many tasks (sbatch --ntasks-per-node="
-            f"{cfg.cluster.gpus_per_node + 1}) or change cluster.*"
+            f"{cfg.cluster.ranks_per_node}) or change cluster.*"
         )
     check_live_config(cfg)
     ntasks = os.environ.get("SLURM_NTASKS")
@@ -89,6 +89,6 @@ def check_live_config(cfg: Config) -> None:
 
 def layout(comm, cfg: Config) -> Layout:
     """This rank's place; ranks must be node-major (srun/mpirun's default block order)."""
-    per = cfg.cluster.gpus_per_node + 1
+    per = cfg.cluster.ranks_per_node
     node, local = divmod(comm.Get_rank(), per)
     return Layout(comm.Get_rank(), comm.Get_size(), node, local, cfg.cluster.gpus_per_node)

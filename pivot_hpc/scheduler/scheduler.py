@@ -109,11 +109,29 @@ class MigrationResult:
     aborted: list[tuple[int, str]] = field(default_factory=list)  # (seq_id, from replica)
     dispatched: list[tuple[int, str]] = field(default_factory=list)  # (seq_id, to replica)
     migrations: int = 0  # shift-up moves kept by Alg. 4's loop
+    # shift up: the first `from_queue` entries of `dispatched` placed waiting sequences;
+    # the rest are migration moves of running ones (a sequence may move more than once)
+    from_queue: int = 0
     throughput_before: float = 0.0
     throughput_after: float = 0.0
     abort_s: float = 0.0
     dispatch_s: float = 0.0
     migrate_s: float = 0.0
+
+    def net_moves(self) -> tuple[dict[int, str], dict[int, str]]:
+        """What a shift up asks of the cluster, net of intermediate moves: (moved: running
+        sequences to stop where they run, seq_id -> that replica; started: sequences to
+        start, seq_id -> the replica they end up on — the moved ones and those that came
+        from the queue)."""
+        placed = {sid for sid, _ in self.dispatched[: self.from_queue]}
+        origin: dict[int, str] = {}
+        for seq_id, src in self.aborted:
+            if seq_id not in placed:
+                origin.setdefault(seq_id, src)
+        final = dict(self.dispatched)
+        moved = {sid: src for sid, src in origin.items() if final.get(sid) != src}
+        started = {sid: dst for sid, dst in final.items() if origin.get(sid) != dst}
+        return moved, started
 
 
 class SchedulerError(PivotError, ValueError):
@@ -265,6 +283,15 @@ class Scheduler:
             raise SchedulerError(
                 f"{self.role}: replica {rid!r} is not active; active: {sorted(self.replicas)}"
             ) from None
+
+    def set_model(self, model: ReplicaModel) -> None:
+        """The role's constants were refitted: every active replica uses `model` now."""
+        kind, a, b, c, d = model.kernel_params()
+        for p in self.replicas.values():
+            self._model_of[p] = model
+            self.kind[p], self.A[p], self.B[p], self.C[p], self.D[p] = kind, a, b, c, d
+            self.nmax[p] = model.max_running
+            self._refresh(p)
 
     def _refresh(self, p: int) -> None:
         self.T[p] = kernels.throughput(
@@ -608,6 +635,7 @@ class Scheduler:
         self._flush()
         queued = self._qpos
         res.dispatched = self.dispatch(added, record=record)
+        res.from_queue = len(res.dispatched)
         t1 = time.perf_counter()
         res.dispatch_s = t1 - t0
         if self.migration and added and not self.n_queued:

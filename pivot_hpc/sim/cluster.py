@@ -294,6 +294,9 @@ class SimCluster:
             self.preempted += 1
         r.waiting = {**retracted, **r.waiting}  # retracted first: they are the oldest work
 
+    def step_stats(self, role: str) -> list[tuple[float, int, int]]:
+        return []  # the simulated engine follows its model: nothing to refit
+
     def take_finished(self, role: str, seq_id: int) -> SequenceFinished:
         return self._held.pop((role, seq_id))
 

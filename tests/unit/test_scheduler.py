@@ -221,3 +221,19 @@ def test_matches_reference_alg_2_to_4(model, n_rep, cap, lens, n_new, n_down) ->
         assert v.n_tok <= v.capacity
     # Nothing lost, nothing duplicated.
     assert s.n_running + s.n_queued == len(lens)
+
+
+def test_migration_result_says_what_moved() -> None:
+    """Net effect of a shift up: a sequence from the queue is started; a running one that
+    moved twice (a → b → c) is stopped on a and started on c; one that moved back home
+    (a → b → a) is left alone."""
+    from pivot_hpc.scheduler.scheduler import MigrationResult
+
+    res = MigrationResult(
+        aborted=[(2, "r:a"), (3, "r:a"), (2, "r:b"), (3, "r:b")],
+        dispatched=[(1, "r:c"), (2, "r:b"), (3, "r:b"), (2, "r:c"), (3, "r:a")],
+        from_queue=1,
+    )
+    moved, started = res.net_moves()
+    assert moved == {2: "r:a"}
+    assert started == {1: "r:c", 2: "r:c"}

@@ -1,0 +1,144 @@
+"""`pivot-hpc bench live [--steps N] --json`: the live tiny run, pivot against the static
+deployments, side by side.
+
+Runs `pivot-hpc run CONFIG` (default: the embedded tiny config) once per mode, one after
+another on this machine, each for N steps with held-out evaluation off (it pauses the
+coordinator and is not part of the throughput), and reads each run's HDF5 telemetry:
+end-to-end tokens/s (rollout + reward tokens of the completed steps over their span, the
+paper's §8.1 measure), the share of GPU time in transition, shift-ups per step.
+
+JSON keys (a contract): `tokens_per_s` {mode: tokens/s}, `ratio_vs_best_static` (pivot
+over the best static mode), `transition_share` (pivot's fraction of GPU-seconds in
+transition); also `steps`, `best_static`, and per mode `runs` {duration_s, shifts_up,
+shifts_up_per_step, utilisation, wall_s}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pivot_hpc.bench.stats import table
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = ROOT / "configs/tiny.yaml"
+MODES = ("pivot", "colocated", "disaggregated", "rr_colocated")  # pivot first: the subject
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=20, help="RL steps per run (default 20)")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="live config to run")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated deployment modes; pivot and at least one other (default {','.join(MODES)})",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for the runs (one run dir per mode); default a private temp dir",
+    )
+    p.add_argument("--timeout-s", type=int, default=1800, help="limit per run (seconds)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    from pivot_hpc.errors import UsageError
+
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise UsageError(f"--modes: unknown {bad}; valid: {', '.join(MODES)}")
+    if "pivot" not in modes or len(modes) < 2:
+        raise UsageError("--modes: needs pivot and at least one static mode to compare with")
+    if args.steps < 2:
+        raise UsageError(f"--steps {args.steps}: needs at least 2 steps")
+    if not args.config.is_file():
+        raise UsageError(f"--config {args.config}: no such file")
+    return modes
+
+
+def run_mode(args: argparse.Namespace, mode: str, run_dir: Path) -> dict:
+    """One live run of `mode`; its summary from the telemetry."""
+    from pivot_hpc.errors import UsageError
+    from pivot_hpc.telemetry import open_run
+    from pivot_hpc.telemetry.summary import summarise
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "pivot_hpc",
+        "run",
+        str(args.config),
+        "--run-dir",
+        str(run_dir),
+        f"deployment.mode={mode}",
+        f"loop.steps={args.steps}",
+        "loop.eval_problems=0",
+        *args.overrides,
+    ]
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT)
+    wall = time.monotonic() - t0
+    (run_dir.parent / f"{mode}.log").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
+        raise UsageError(f"bench live: the {mode} run failed:\n" + "\n".join(tail))
+    s = summarise(open_run(run_dir))
+    return {
+        "tokens_per_s": s["tokens_per_s"],
+        "duration_s": s["duration_s"],
+        "shifts_up": s["shifts"],
+        "shifts_up_per_step": s["shifts_per_step"],
+        "utilisation": s["utilisation"],
+        "wall_s": wall,
+        "run_dir": str(run_dir),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    modes = _check(args)
+    if args.out is None:
+        root = Path(tempfile.mkdtemp(prefix="pivot-bench-live-"))  # mode 700
+    else:
+        root = args.out
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    runs = {}
+    for mode in modes:
+        if not args.json:
+            print(f"bench live: {mode} ({args.steps} steps) …", flush=True)
+        runs[mode] = run_mode(args, mode, root / mode)
+    tps = {m: r["tokens_per_s"] for m, r in runs.items()}
+    best = max((m for m in modes if m != "pivot"), key=lambda m: tps[m])
+    out = {
+        "steps": args.steps,
+        "tokens_per_s": tps,
+        "best_static": best,
+        "ratio_vs_best_static": tps["pivot"] / tps[best] if tps[best] > 0 else None,
+        "transition_share": runs["pivot"]["utilisation"]["transition"],
+        "runs": runs,
+        "out": str(root),
+    }
+    if not args.json:
+        rows = [["mode", "tokens/s", "shift-ups/step", "transition", "idle", "wall s"]]
+        for m, r in runs.items():
+            u = r["utilisation"]
+            rows.append(
+                [
+                    m,
+                    f"{r['tokens_per_s']:.0f}",
+                    f"{r['shifts_up_per_step']:.2f}",
+                    f"{u['transition']:.1%}",
+                    f"{u['idle']:.1%}",
+                    f"{r['wall_s']:.0f}",
+                ]
+            )
+        print(table(rows))
+        ratio = out["ratio_vs_best_static"]
+        print(f"pivot / best static ({best}): {ratio:.2f}×; runs in {root}")
+    return out
