@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pivot_hpc.config.loader import fail
+from pivot_hpc.errors import fail
 
 
 @dataclass(kw_only=True)

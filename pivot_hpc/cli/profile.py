@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from pivot_hpc.engines.profile import fit_samples, sweep, write_profile
     from pivot_hpc.models.config import ModelsConfig, cache_root
     from pivot_hpc.models.qwen2 import create_model
-    from pivot_hpc.models.zoo import ensure_model, load_model
+    from pivot_hpc.models.zoo import load_model
+    from pivot_hpc.recipes.tiny_models import ensure_model
 
     torch.set_num_threads(args.threads)
     mcfg = ModelsConfig(cache_dir=args.cache_dir)

@@ -12,20 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from pivot_hpc.errors import PivotError
+from pivot_hpc.errors import ConfigError, PivotError, fail  # noqa: F401 (re-exported)
 
 T = TypeVar("T")
-
-
-class ConfigError(PivotError, ValueError):
-    """A config value is missing, unknown, of the wrong type, or inconsistent."""
 
 
 def _join(path: str, key: str | int) -> str:
@@ -277,8 +272,3 @@ def validate_tree(obj: Any, path: str = "") -> None:
         elif isinstance(value, list | tuple):
             for i, v in enumerate(value):
                 validate_tree(v, _join(path, i))
-
-
-def fail(path: str, value: Any, why: str) -> typing.NoReturn:
-    """Raise the standard error: key path, offending value, and what to do instead."""
-    raise ConfigError(f"config key '{path}' = {value!r}: {why}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pivot_hpc.config.loader import fail
+from pivot_hpc.errors import fail
 
 
 @dataclass(kw_only=True)

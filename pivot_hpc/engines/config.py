@@ -6,14 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-
-def fail(path: str, value: object, why: str) -> None:
-    # Imported lazily: pivot_hpc.config.schema imports this module, and importing
-    # pivot_hpc.config.loader at the top would run that package first (a cycle).
-    from pivot_hpc.config.loader import fail as _fail
-
-    _fail(path, value, why)
-
+from pivot_hpc.errors import fail
 
 # ServerArgs the sglang adapter sets itself (pivot_hpc.engines.factory); it also relies on
 # cumulative stream chunks and on a single scheduler (no data parallelism).

@@ -35,7 +35,7 @@ from pivot_hpc.engines.megatron_model import (
 )
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.rl.config import GRPOConfig, TrainerConfig
-from pivot_hpc.rl.grpo import ppo_clip_loss, rollout_correction, sft_loss
+from pivot_hpc.rl.grpo import resolve_loss, rollout_correction, sft_loss
 
 PAD_ID = 0
 MASTER_KEY = "fp32_param"  # checkpoint key of the master weights (bf16 models only)
@@ -64,6 +64,7 @@ class MegatronTrainEngine:
         self.model_cfg = model_cfg
         self.cfg = trainer or TrainerConfig()
         self.grpo = grpo or GRPOConfig()
+        self.loss_fn = resolve_loss(self.grpo.loss_fn)  # pluggable (rl.grpo.loss_fn)
         if self.grpo.loss_agg_mode == "seq-mean-token-sum-norm" and not max_response_tokens:
             raise ValueError("seq-mean-token-sum-norm needs max_response_tokens (its constant)")
         self.max_response_tokens = max_response_tokens
@@ -340,7 +341,7 @@ class MegatronTrainEngine:
                 value = sft_loss(lp, pk["mask"], normalizer=norm)
                 parts = {"nll_sum": -(lp.detach() * pk["mask"]).sum(), "tokens": pk["mask"].sum()}
             else:
-                value, parts = ppo_clip_loss(
+                value, parts = self.loss_fn(
                     lp,
                     pk["old"],
                     pk["adv"],

@@ -7,15 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pivot_hpc.errors import fail
+
 LINK_KEY = re.compile(r"^\s*(\d+)\s*->\s*(\d+)\s*$")
-
-
-def fail(path: str, value: object, why: str) -> None:
-    # Imported lazily: pivot_hpc.config.schema imports this module, and importing
-    # pivot_hpc.config.loader at the top would run that package first (a cycle).
-    from pivot_hpc.config.loader import fail as _fail
-
-    _fail(path, value, why)
 
 
 @dataclass(kw_only=True)

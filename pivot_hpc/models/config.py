@@ -6,13 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def fail(path: str, value: object, why: str) -> None:
-    # Imported lazily: pivot_hpc.config.schema imports this module, and importing
-    # pivot_hpc.config.loader at the top would run that package first (a cycle).
-    from pivot_hpc.config.loader import fail as _fail
-
-    _fail(path, value, why)
+from pivot_hpc.errors import fail
 
 
 @dataclass(kw_only=True)

@@ -7,13 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-
-def fail(path: str, value: object, why: str) -> None:
-    # Imported lazily: pivot_hpc.config.schema imports this module, and importing
-    # pivot_hpc.config.loader at the top would run that package first (a cycle).
-    from pivot_hpc.config.loader import fail as _fail
-
-    _fail(path, value, why)
+from pivot_hpc.errors import fail
 
 
 @dataclass(kw_only=True)
@@ -55,8 +49,22 @@ class GRPOConfig:
     dynamic_sampling_max_batches: int = 4  # replacement prompts per step, in batches
     rollout_is_threshold: float = 2.0  # TIS cap; masked IS: upper bound
     rollout_is_threshold_lower: float | None = None  # None: 1 / rollout_is_threshold
+    # The policy loss, as "package.module:function" (slime's --custom-loss-function-path).
+    # It is called like pivot_hpc.rl.grpo.ppo_clip_loss — (logprobs, old_logprobs,
+    # advantages, mask, *, clip_low, clip_high, dual_clip, kl_coef, ref_logprobs,
+    # normalizer, loss_agg_mode, seq_normalizer, horizon, is_weights) — per micro-batch,
+    # tensors [b, s], and returns (loss to backpropagate, {name: detached metric sum});
+    # the module must be importable on every training rank.
+    loss_fn: str = "pivot_hpc.rl.grpo:ppo_clip_loss"
 
     def validate(self, path: str) -> None:
+        module, _, name = self.loss_fn.partition(":")
+        if (
+            not module
+            or not name.isidentifier()
+            or not all(part.isidentifier() for part in module.split("."))
+        ):
+            fail(f"{path}.loss_fn", self.loss_fn, "give it as 'package.module:function'")
         if self.rollout_is != "none" and not self.recompute_old_logprobs:
             fail(
                 f"{path}.rollout_is",

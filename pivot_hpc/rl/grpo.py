@@ -206,3 +206,24 @@ def reference_logprobs(
         lp = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) + len(r) - 1]
         out.append(lp.gather(1, torch.tensor(list(r))[:, None])[:, 0].tolist())
     return out
+
+
+def resolve_loss(spec: str, key: str = "rl.grpo.loss_fn"):
+    """The loss function named "package.module:function" (see GRPOConfig.loss_fn)."""
+    import importlib
+
+    from pivot_hpc.errors import ConfigError
+
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"config key '{key}' = {spec!r}: cannot import {module!r} ({exc}); put the module "
+            "on PYTHONPATH of every rank, or use the default pivot_hpc.rl.grpo:ppo_clip_loss"
+        ) from None
+    except AttributeError:
+        raise ConfigError(f"config key '{key}' = {spec!r}: {module!r} has no {name!r}") from None
+    if not callable(fn):
+        raise ConfigError(f"config key '{key}' = {spec!r}: {name!r} is not a function")
+    return fn

@@ -55,6 +55,7 @@ class LiveCluster:
         self._tokens = {"rollout": 0, "reward": 0}
         self._steps: dict[str, list[tuple[float, int, int]]] = defaultdict(list)
         self._ready: dict[int, float] = {}  # worker rank -> its start-up seconds
+        self._sending: list = []  # requests of commands not yet received (see _send)
         self._window = {"rollout": (0.0, 0), "reward": (0.0, 0)}
 
     def now(self) -> float:
@@ -75,7 +76,16 @@ class LiveCluster:
         return [self.layout.rank_of_gpu(g) for g in self.topology.gpus_of(rid)]
 
     def _send(self, rank: int, cmd: msg.Command) -> None:
-        self.comm.send(cmd, dest=rank, tag=CMD)
+        """Non-blocking: a standard send of more than the eager limit (or to a worker whose
+        shared-memory queue is full) waits until the worker, busy in an engine step,
+        receives — the coordinator must not. MPI keeps the order of one sender's messages."""
+        self._sending.append(self.comm.isend(cmd, dest=rank, tag=CMD))
+        if len(self._sending) > 256:
+            self._reap()
+
+    def _reap(self) -> None:
+        """Forget completed sends (their buffers are released with the requests)."""
+        self._sending = [r for r in self._sending if not r.Test()]
 
     # ------------------------------------------------------------- actions
     def shift_up(self, rid: str, version: int) -> None:
@@ -173,6 +183,13 @@ class LiveCluster:
         returns `code` as its exit status."""
         for r in range(1, self.comm.Get_size()):
             self._send(r, msg.Stop(code))
+        # A worker's events travel non-blocking: take (and drop) what each still sends,
+        # up to its last message, so that its sends complete and it can exit.
+        for r in self.worker_ranks():
+            while not isinstance(self.comm.recv(source=r, tag=EVT), msg.Stopped):
+                pass
+        MPI.Request.Waitall(self._sending)  # every command delivered before we go
+        self._sending = []
 
     # --------------------------------------------------------- checkpoints
     def worker_ranks(self) -> list[int]:
@@ -224,6 +241,7 @@ class LiveCluster:
         self._delivered = []
         backoff = 1e-3
         status = MPI.Status()
+        self._reap()
         while True:
             while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=EVT, status=status):
                 src = status.Get_source()

@@ -92,7 +92,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         lay = layout(comm, cfg)
         dirs = None
         if lay.is_coordinator:
-            from pivot_hpc.models.zoo import ensure_models
+            from pivot_hpc.recipes.tiny_models import ensure_models
 
             dirs = ensure_models(cfg.models, progress=True)
         dirs = comm.bcast(dirs, root=0)
@@ -246,7 +246,12 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     from pivot_hpc.telemetry import last_time
 
     writer = TelemetryWriter(run_dir, meta=meta, time_offset=last_time(run_dir))
-    from pivot_hpc.runtime.step_log import filtered_summary, mismatch_summary, step_scalars
+    from pivot_hpc.runtime.step_log import (
+        filtered_summary,
+        mismatch_summary,
+        monitor_summary,
+        step_scalars,
+    )
     from pivot_hpc.tracking import open_trackers
 
     trackers = open_trackers(cfg.tracking, run_dir, config_dict)
@@ -353,7 +358,8 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         f"pivot-hpc: done: {cfg.loop.steps} steps in {wall:.1f}s, "
         f"{coord.tokens_total / max(coord.last_step_end - coord.first_step_start, 1e-9):.0f} "
         f"tokens/s (rollout+reward), {coord.stats.shifts_up} shift-ups, "
-        f"{reward_trend(coord.stats.rewards)}{held_out_summary(evaluator)}; "
+        f"{reward_trend(coord.stats.rewards)}{held_out_summary(evaluator)}"
+        f"{monitor_summary(coord)}; "
         f"GenRM unparsable {samples.genrm_stats.unparsable}/"
         f"{samples.genrm_stats.judged}; telemetry in {writer.path}",
         flush=True,

@@ -175,6 +175,11 @@ class Restored:
 
 
 @dataclass(frozen=True, slots=True)
+class Stopped:
+    """The worker's last message, after `Stop`: everything it sent before has arrived."""
+
+
+@dataclass(frozen=True, slots=True)
 class Failed:
     """The rank raised; `text` names it and holds its traceback (it aborts the world)."""
 
@@ -191,5 +196,6 @@ Event = (
     | Peeked
     | Saved
     | Restored
+    | Stopped
     | Failed
 )

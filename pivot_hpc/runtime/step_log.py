@@ -58,3 +58,18 @@ def step_scalars(
     out |= {f"queue/{role}": float(n) for role, n in queued.items()}
     out |= {f"train/{k}": float(m[k]) for k in TRAIN_METRICS if k in m}
     return out
+
+
+def monitor_summary(coord) -> str:
+    """What the monitor measured: τ_shift per role the planner used at the end, and how
+    often the throughput constants were refitted from the engines' decode steps."""
+    parts = []
+    if coord.shift_clock is not None and coord.shift_clock.measured:
+        t = coord.topology.shift_time
+        parts.append(
+            f"τ_shift measured rollout {t.rollout:.3f}s reward {t.reward:.3f}s "
+            f"training {t.training:.3f}s"
+        )
+    if coord.fits:
+        parts.append(f"A–D refitted {coord.stats.refits}×")
+    return f"; {', '.join(parts)}" if parts else ""

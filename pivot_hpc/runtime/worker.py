@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 import torch
+from mpi4py import MPI
 
 from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime.protocol import CMD, EVT
@@ -45,6 +46,7 @@ class Worker:
         self._last_lengths = 0.0
         self._steps: list[tuple[float, int, int]] = []  # decode steps for the monitor
         self._added = False  # a sequence arrived since the engine's last step
+        self._sending: list = []  # requests of events not yet received (see send)
         self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
         # tests: seconds added to every decode step, so that sequences are still running
         # when a test signals or kills the job
@@ -93,6 +95,8 @@ class Worker:
             while self.comm.Iprobe(source=0, tag=CMD):
                 cmd = self.comm.recv(source=0, tag=CMD)
                 if isinstance(cmd, msg.Stop):
+                    self.send(msg.Stopped())  # the coordinator drains up to this one,
+                    MPI.Request.Waitall(self._sending)  # so every send completes
                     return cmd.code
                 self.handle(cmd)
                 busy = True
@@ -135,7 +139,11 @@ class Worker:
             self._steps.append((st.last_step_s, st.last_step_seqs, st.last_step_tokens))
 
     def send(self, event: msg.Event) -> None:
-        self.comm.send(event, dest=0, tag=EVT)
+        """Non-blocking (a large `Finished` would otherwise wait for a busy coordinator);
+        MPI keeps the order of this rank's messages."""
+        self._sending.append(self.comm.isend(event, dest=0, tag=EVT))
+        if len(self._sending) > 64:
+            self._sending = [r for r in self._sending if not r.Test()]
 
     # ------------------------------------------------------------- commands
     def handle(self, cmd: msg.Command) -> None:

@@ -78,6 +78,9 @@ def check_live_config(cfg: Config) -> None:
                 f"replica on one device; use {role}.tp=1, or engines.{role}.engine=sglang "
                 "for tensor-parallel replicas"
             )
+    from pivot_hpc.rl.grpo import resolve_loss
+
+    resolve_loss(cfg.rl.grpo.loss_fn)  # importable here; every rank imports it again
     n_train = len(cfg.training_gpus())
     if n_train % cfg.rl.trainer.tp:
         raise LayoutError(

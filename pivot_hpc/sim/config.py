@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pivot_hpc.config.loader import fail
+from pivot_hpc.errors import fail
 
 
 @dataclass(kw_only=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pivot_hpc.errors import fail
+
 Backend = Literal["tensorboard", "wandb", "mlflow"]
 
 
@@ -20,7 +22,5 @@ class TrackingConfig:
     run_name: str | None = None  # None: the run directory's name
 
     def validate(self, path: str) -> None:
-        from pivot_hpc.config.loader import fail
-
         if len(set(self.backends)) != len(self.backends):
             fail(f"{path}.backends", self.backends, "each backend at most once")

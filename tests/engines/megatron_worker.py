@@ -105,6 +105,15 @@ def main() -> None:
             truncated=[False, False, True, False],
         )
     )
+    # a user's loss (rl.grpo.loss_fn): called per micro-batch with the documented keywords
+    from tests.engines import custom_loss
+
+    res["custom_pg_loss"] = grpo_engine(
+        loss_fn="tests.engines.custom_loss:doubled_loss"
+    ).train_step(batch)["pg_loss"]
+    res["default_pg_loss"] = grpo_engine().train_step(batch)["pg_loss"]
+    res["custom_calls"] = len(custom_loss.CALLS)
+    res["custom_kwargs"] = custom_loss.CALLS[0]
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         res[f"agg_{mode}"] = grpo_engine(loss_agg_mode=mode).train_step(batch)["pg_loss"]
     m1 = e.train_step(batch)

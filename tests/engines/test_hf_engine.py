@@ -195,3 +195,20 @@ def test_sequence_longer_than_capacity_ends_as_length(tiny_model, prompts, refer
     # capacity counts cached tokens; the last sampled token is not cached yet
     assert r.token_ids == reference[0][: len(r.token_ids)] and len(r.token_ids) == 11
     assert not e.has_unfinished()
+
+
+def test_one_bounded_prefill_per_step_and_exact_output(tiny_model, prompts, reference):
+    """prefill_chunk_tokens bounds what one step prefills (a step stays short, so a command
+    waits little for the engine), at least one sequence per step; the output is unchanged."""
+    e = HFEngine(tiny_model, prefill_chunk_tokens=1)
+    for i, p in enumerate(prompts):
+        e.add(i, p, sampling=GREEDY)
+    for k in (1, 2, 3):
+        e.step()
+        st = e.stats()
+        assert (st.running, st.waiting) == (k, len(prompts) - k)
+        assert (st.last_step_seqs, st.last_step_tokens) == (k, st.tokens_in_cache)
+    roomy = max(len(p) for p in prompts) * len(prompts)
+    for chunk in (1, roomy):
+        out = generate_all(HFEngine(tiny_model, prefill_chunk_tokens=chunk), prompts, GREEDY)
+        assert [r.token_ids for r in out] == reference

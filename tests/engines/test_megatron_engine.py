@@ -96,6 +96,10 @@ def test_megatron_engine(which, request):
     tis = res["tis_metrics"]
     assert res["tis_same_step"] and tis["mismatch_abs_logp"] <= 1e-6
     assert tis["is_ratio_p05"] == pytest.approx(1.0, abs=1e-5) and tis["is_truncated_frac"] == 0
+    # the pluggable loss: the default doubled, called once per micro-batch (4 rows / 3)
+    assert res["custom_pg_loss"] == pytest.approx(2 * res["default_pg_loss"], rel=1e-5)
+    assert res["custom_calls"] == 2
+    assert "horizon" in res["custom_kwargs"] and "is_weights" in res["custom_kwargs"]
     # masked IS on rollout logprobs off by ±0.5 (w = e^∓0.5, outside [1/1.5, 1.5]): every
     # token masked; the truncated sequence (8 tokens) is left out of the loss and metrics
     mis = res["mis_metrics"]

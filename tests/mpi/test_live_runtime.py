@@ -74,6 +74,7 @@ def test_every_mode_completes(tmp_path: Path, mode: str) -> None:
         assert len(downs) and (shifts["t"][shifts["kind"] == "up"] > downs.min()).any()
     if mode == "pivot":
         assert len(r["planner"]) > 0
+        assert "τ_shift measured rollout" in out.stdout and "A–D refitted" in out.stdout
     if mode == "disaggregated":
         assert "|Δlogp|=" in out.stdout and "masked=" in out.stdout
         assert (shifts["gpus"][shifts["role"] == "training"] == 2).all()

@@ -182,3 +182,18 @@ def test_rl_feature_keys_are_validated_by_name(override: str, says: str) -> None
     with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")) as e:
         load_config(TINY, [override])
     assert says in str(e.value)
+
+
+def test_loss_fn_is_checked_before_launch() -> None:
+    from pivot_hpc.config import load_config
+    from pivot_hpc.errors import ConfigError
+    from pivot_hpc.rl.grpo import ppo_clip_loss, resolve_loss
+    from pivot_hpc.runtime.world import check_live_config
+
+    assert resolve_loss("pivot_hpc.rl.grpo:ppo_clip_loss") is ppo_clip_loss
+    with pytest.raises(ConfigError, match="give it as 'package.module:function'"):
+        load_config(None, ["rl.grpo.loss_fn=pivot_hpc.rl.grpo.ppo_clip_loss"])
+    for spec, why in (("no_such_pkg.x:f", "cannot import"), ("pivot_hpc.rl.grpo:nope", "no 'nope'")):
+        cfg = load_config(None, [f"rl.grpo.loss_fn={spec}"])
+        with pytest.raises(ConfigError, match=why):
+            check_live_config(cfg)
