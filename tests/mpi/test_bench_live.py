@@ -18,10 +18,9 @@ pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Op
 
 @pytest.mark.timeout(600)
 def test_bench_live_json(tmp_path: Path) -> None:
+    args = ["--steps", "2", "--modes", "pivot,disaggregated", "--out", str(tmp_path), "--json"]
     out = subprocess.run(
-        [sys.executable, "-m", "pivot_hpc", "bench", "live", "--steps", "2"]
-        + ["--modes", "pivot,disaggregated", "--out", str(tmp_path), "--json"]
-        + ["loop.batch_prompts=4"],
+        [sys.executable, "-m", "pivot_hpc", "bench", "live", *args, "loop.batch_prompts=4"],
         cwd=ROOT,
         capture_output=True,
         text=True,

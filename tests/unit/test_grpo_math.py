@@ -193,7 +193,10 @@ def test_loss_fn_is_checked_before_launch() -> None:
     assert resolve_loss("pivot_hpc.rl.grpo:ppo_clip_loss") is ppo_clip_loss
     with pytest.raises(ConfigError, match="give it as 'package.module:function'"):
         load_config(None, ["rl.grpo.loss_fn=pivot_hpc.rl.grpo.ppo_clip_loss"])
-    for spec, why in (("no_such_pkg.x:f", "cannot import"), ("pivot_hpc.rl.grpo:nope", "no 'nope'")):
+    for spec, why in (
+        ("no_such_pkg.x:f", "cannot import"),
+        ("pivot_hpc.rl.grpo:nope", "no 'nope'"),
+    ):
         cfg = load_config(None, [f"rl.grpo.loss_fn={spec}"])
         with pytest.raises(ConfigError, match=why):
             check_live_config(cfg)
