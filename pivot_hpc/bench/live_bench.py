@@ -63,32 +63,32 @@ def _check(args: argparse.Namespace) -> list[str]:
     return modes
 
 
+def launch(config: Path, run_dir: Path, overrides: list[str], timeout_s: int) -> float:
+    """`pivot-hpc run CONFIG --run-dir RUN_DIR OVERRIDES…`; its output goes to
+    RUN_DIR.log beside the run dir; returns the wall seconds. A failed run is one line."""
+    from pivot_hpc.errors import UsageError
+
+    cmd = [sys.executable, "-m", "pivot_hpc", "run", str(config), "--run-dir", str(run_dir)]
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [*cmd, *overrides], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT
+    )
+    wall = time.monotonic() - t0
+    log = run_dir.parent / f"{run_dir.name}.log"
+    log.write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
+        raise UsageError(f"the run {run_dir} failed (log: {log}):\n" + "\n".join(tail))
+    return wall
+
+
 def run_mode(args: argparse.Namespace, mode: str, run_dir: Path) -> dict:
     """One live run of `mode`; its summary from the telemetry."""
-    from pivot_hpc.errors import UsageError
     from pivot_hpc.telemetry import open_run
     from pivot_hpc.telemetry.summary import summarise
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "pivot_hpc",
-        "run",
-        str(args.config),
-        "--run-dir",
-        str(run_dir),
-        f"deployment.mode={mode}",
-        f"loop.steps={args.steps}",
-        "loop.eval_problems=0",
-        *args.overrides,
-    ]
-    t0 = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT)
-    wall = time.monotonic() - t0
-    (run_dir.parent / f"{mode}.log").write_text(out.stdout + out.stderr)
-    if out.returncode != 0:
-        tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
-        raise UsageError(f"bench live: the {mode} run failed:\n" + "\n".join(tail))
+    overrides = [f"deployment.mode={mode}", f"loop.steps={args.steps}", "loop.eval_problems=0"]
+    wall = launch(args.config, run_dir, [*overrides, *args.overrides], args.timeout_s)
     s = summarise(open_run(run_dir))
     return {
         "tokens_per_s": s["tokens_per_s"],
@@ -101,13 +101,16 @@ def run_mode(args: argparse.Namespace, mode: str, run_dir: Path) -> dict:
     }
 
 
+def out_dir(out: Path | None, prefix: str) -> Path:
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))  # mode 700
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     modes = _check(args)
-    if args.out is None:
-        root = Path(tempfile.mkdtemp(prefix="pivot-bench-live-"))  # mode 700
-    else:
-        root = args.out
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    root = out_dir(args.out, "pivot-bench-live-")
     runs = {}
     for mode in modes:
         if not args.json:

@@ -22,6 +22,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "pivot_hpc.bench.live_bench",
         "live tiny run: pivot vs the static modes, side by side",
     ),
+    "convergence": (
+        "pivot_hpc.bench.convergence_bench",
+        "held-out accuracy per mode over seeds, and Figure 15 from the runs",
+    ),
 }
 
 

@@ -19,9 +19,12 @@ import re
 from pivot_hpc.data.problem import Problem
 
 
-def _columns(a: int, b: int, slip_col: int = -1, slip: int = 0) -> tuple[str, int]:
+def _columns(
+    a: int, b: int, slip_col: int = -1, slip: int = 0, drop_carry: bool = False
+) -> tuple[str, int]:
     """Column-wise addition, least significant first; `slip` is added to the sum of
-    column `slip_col` (a plausible mistake whose carries and answer stay consistent)."""
+    column `slip_col` (a plausible mistake whose carries and answer stay consistent);
+    `drop_carry` forgets every carry (a systematic mistake, also self-consistent)."""
     xs, ys = str(a)[::-1], str(b)[::-1]
     carry, cols, digits = 0, [], []
     n = max(len(xs), len(ys))
@@ -30,7 +33,7 @@ def _columns(a: int, b: int, slip_col: int = -1, slip: int = 0) -> tuple[str, in
         y = int(ys[i]) if i < len(ys) else 0
         s = max(0, x + y + carry + (slip if i == slip_col else 0))
         cols.append(f"{x}+{y}+{carry}={s}" if carry else f"{x}+{y}={s}")
-        carry = s // 10
+        carry = 0 if drop_carry else s // 10
         digits.append(s % 10 if i < n - 1 else s)
     total = int("".join(str(d) for d in reversed(digits)))
     return ",".join(cols), total
@@ -46,6 +49,19 @@ def question(a: int, b: int) -> str:
 
 def solution(a: int, b: int) -> str:
     return f"{worked_solution(a, b)}.Answer: {a + b}"
+
+
+def has_carry(a: int, b: int) -> bool:
+    """Whether some column of a + b carries into the next one."""
+    return _columns(a, b, drop_carry=True)[1] != a + b
+
+
+def carry_forgotten(a: int, b: int) -> str:
+    """The solution of a student who never carries: "7+8=15,4+3=7.Answer: 75" for
+    47+38. Self-consistent and systematic, so sampling shows it again and again — the
+    kind of habit a verifiable reward exposes and RL removes."""
+    cols, total = _columns(a, b, drop_carry=True)
+    return f"{cols}.Answer: {total}"
 
 
 def make_problem(a: int, b: int) -> Problem:

@@ -47,8 +47,15 @@ class SFTConfig:
     lr: float = 3e-3  # peak learning rate
     warmup_steps: int = 20  # linear learning-rate warm-up
     weight_decay: float = 0.0  # AdamW weight decay
+    # Policy only: the share of warm-up problems with a carry whose worked solution comes
+    # from a teacher who forgets the carry ("7+8=15,4+3=7.Answer: 75"). Above 0.5 the
+    # warmed-up policy's greedy answer forgets it too, while sampling still finds the carry
+    # sometimes: a systematic habit that the rewards expose and RL removes.
+    carry_slip: float = 0.0
 
     def validate(self, path: str) -> None:
+        if not 0.0 <= self.carry_slip <= 1.0:
+            fail(f"{path}.carry_slip", self.carry_slip, "a share: must be in [0, 1]")
         if self.steps < 0:
             fail(f"{path}.steps", self.steps, "must be >= 0")
         if self.batch_size < 1:

@@ -24,12 +24,14 @@ from pivot_hpc.rl.rewards import genrm_prompt
 Example = tuple[str, str]  # (prompt text, target text)
 
 
-def policy_example(rng: random.Random, max_digits: int) -> Example:
+def policy_example(rng: random.Random, max_digits: int, carry_slip: float = 0.0) -> Example:
     a, b = arithmetic.sample_operands(rng, max_digits)
+    if carry_slip > 0 and arithmetic.has_carry(a, b) and rng.random() < carry_slip:
+        return arithmetic.question(a, b), arithmetic.carry_forgotten(a, b)
     return arithmetic.question(a, b), arithmetic.solution(a, b)
 
 
-def genrm_example(rng: random.Random, max_digits: int) -> Example:
+def genrm_example(rng: random.Random, max_digits: int, carry_slip: float = 0.0) -> Example:
     a, b = arithmetic.sample_operands(rng, max_digits)
     q = arithmetic.question(a, b)
     response = arithmetic.solution(a, b)
@@ -39,17 +41,19 @@ def genrm_example(rng: random.Random, max_digits: int) -> Example:
     return genrm_prompt(q, response, ref), arithmetic.judgement(q, response, reference=ref)
 
 
-EXAMPLES: dict[str, Callable[[random.Random, int], Example]] = {
+EXAMPLES: dict[str, Callable[[random.Random, int, float], Example]] = {
     "policy": policy_example,
     "genrm": genrm_example,
 }
 
 
-def sft_batch(tok, kind: str, rng: random.Random, n: int, max_digits: int) -> TrainBatch:
+def sft_batch(
+    tok, kind: str, rng: random.Random, n: int, max_digits: int, carry_slip: float = 0.0
+) -> TrainBatch:
     make = EXAMPLES[kind]
     prompts, responses = [], []
     for _ in range(n):
-        p, t = make(rng, max_digits)
+        p, t = make(rng, max_digits, carry_slip)
         prompts.append(encode_prompt(tok, p))
         responses.append([*tok.encode(t, add_special_tokens=False), tok.eos_token_id])
     return TrainBatch(prompt_ids=prompts, response_ids=responses)
@@ -84,7 +88,8 @@ def run_sft(
     losses = []
     bar = tqdm(range(sft.steps), desc=f"SFT {kind}", disable=not progress, leave=False)
     for _ in bar:
-        m = engine.train_step(sft_batch(tok, kind, rng, sft.batch_size, max_digits), loss="sft")
+        batch = sft_batch(tok, kind, rng, sft.batch_size, max_digits, sft.carry_slip)
+        m = engine.train_step(batch, loss="sft")
         losses.append(m["nll"])
         bar.set_postfix(nll=f"{m['nll']:.3f}")
     with torch.no_grad():

@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.unit.test_telemetry import EXPECTED_TOKENS_PER_S, REPO, write_synthetic_run
+from pivot_hpc.telemetry import TelemetryWriter, open_run
+from pivot_hpc.telemetry.convergence import curves, moving_average
+from tests.unit.test_telemetry import EXPECTED_TOKENS_PER_S, META, REPO, write_synthetic_run
 
 ANALYSIS = REPO / "analysis"
 
@@ -182,3 +184,51 @@ def test_timeline_groups_shifts_into_decisions(monkeypatch: pytest.MonkeyPatch) 
     )
     events = shift_events(shifts)
     assert [sorted(e["t"].tolist()) for e in events] == [[10.0, 12.0], [30.0, 31.0], [50.0]]
+
+
+def write_learning_run(run_dir: Path, mode: str, seed: int, accuracy: list[float]) -> Path:
+    """A run of 4 steps (2 s each, rewards 0, 1, 2, 3) with held-out evaluations at
+    versions 0, 2, 4 (`accuracy`)."""
+    meta = {"mode": mode, "strategy": "", "config": {"rl": {"trainer": {"seed": seed}}}}
+    with TelemetryWriter(run_dir, meta=META | meta) as w:
+        for i in range(4):
+            w.step(i, 2.0 * i, 2.0 * i + 2, 100, 50, 100, 8, float(i), 0.0, 0.0, 0.1, 0, 0.0, i + 1)
+        for v, acc in zip((0, 2, 4), accuracy, strict=True):
+            w.evaluation(2.0 * v, v, acc, 2 * acc - 1, 64, 0.5)
+    return run_dir
+
+
+def test_convergence_curves_and_figure(tmp_path: Path) -> None:
+    a = write_learning_run(tmp_path / "pivot", "pivot", 0, [0.5, 0.6, 0.8])
+    b = write_learning_run(tmp_path / "colocated", "colocated", 1, [0.5, 0.7, 0.75])
+    c = curves(open_run(a), window=2)
+    assert c.label == "pivot" and c.seed == 0
+    assert list(c.eval_version) == [0, 2, 4] and list(c.eval_t) == [0.0, 4.0, 8.0]
+    assert (c.accuracy_first, c.accuracy_last, c.wall_s) == (0.5, 0.8, 8.0)
+    assert list(c.step) == [1, 2, 3, 4]
+    assert list(c.reward_ma) == [0.0, 0.5, 1.5, 2.5]  # trailing window of 2
+    out = tmp_path / "fig15.png"
+    res = script("convergence.py", a, b, "--out", out, "--window", "2")
+    assert res.returncode == 0, res.stderr
+    assert_png(out)
+    rows = {ln.split()[1]: ln.split() for ln in res.stdout.splitlines()[1:] if ln.strip()}
+    assert rows["pivot"][3:6] == ["0.500", "0.800", "2.500"]
+    assert rows["colocated"][2:5] == ["1", "0.500", "0.750"]
+
+
+def test_convergence_without_evaluations_is_one_line(
+    runs: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = (runs["pivot_a"], "--out", tmp_path / "x.png")
+    code, _, err = script_here("convergence.py", *args, monkeypatch=monkeypatch, capsys=capsys)
+    assert code != 0 and "no run has held-out evaluations" in err and "Traceback" not in err
+
+
+def test_moving_average() -> None:
+    x = np.array([1.0, 3.0, 5.0, 7.0])
+    assert list(moving_average(x, 3)) == [1.0, 2.0, 3.0, 5.0]
+    assert list(moving_average(x, 1)) == list(x)
+    assert len(moving_average(np.array([]), 4)) == 0
