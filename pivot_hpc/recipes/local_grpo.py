@@ -3,7 +3,7 @@
 rollout (hf engine, policy) → verifiable reward (math-verify) + GenRM reward (hf engine,
 GenRM) → group advantages → Megatron GRPO step → weights exported (canonical tensors) and
 loaded into the rollout engine as version v+1. The distributed coordinator runs the same
-pieces across roles; this loop is what tests and `pivot-hpc` smoke runs use on one CPU.
+pieces across roles; this loop is the single-process reference the learning check runs.
 """
 
 from __future__ import annotations
@@ -108,9 +108,14 @@ class LocalGRPO:
         from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
 
         self.cfg = cfg or RLConfig()
+        # genrm=None: verifiable reward only (needs rl.reward.genrm_weight 0)
+        if genrm is None and self.cfg.reward.genrm_weight != 0:
+            raise ValueError("LocalGRPO without a GenRM needs rl.reward.genrm_weight = 0")
         self.tok = tok
         self.rollout = HFEngine(policy, seed=self.cfg.trainer.seed)
-        self.judge = Judge(HFEngine(genrm, num_threads=None), tok, self.cfg)
+        self.judge = (
+            None if genrm is None else Judge(HFEngine(genrm, num_threads=None), tok, self.cfg)
+        )
         self.trainer = MegatronTrainEngine(
             arch or model_config_of(policy),
             self.cfg.trainer,
@@ -180,7 +185,8 @@ class LocalGRPO:
             for t, p in zip(texts, group, strict=True)
         ]
         refs = [p.answer if self.cfg.reward.genrm_reference else None for p in group]
-        rg = self.judge.rewards([p.question or p.prompt for p in group], texts, refs)
+        questions = [p.question or p.prompt for p in group]
+        rg = self.judge.rewards(questions, texts, refs) if self.judge else [0.0] * len(texts)
         rewards = combine(rv, rg, self.cfg.reward)
         limit = self.cfg.max_response_tokens
         rewards = [
@@ -210,7 +216,8 @@ class LocalGRPO:
             seconds=time.perf_counter() - t0,
         )
         self.report.steps.append(rec)
-        self.report.genrm = self.judge.stats
+        if self.judge is not None:
+            self.report.genrm = self.judge.stats
         return rec
 
     def _ref_logprobs(self, prompts: list[list[int]], responses: list[list[int]]):

@@ -189,9 +189,10 @@ def held_out_summary(evaluator) -> str:
     if evaluator is None or len(evaluator.history) < 2:
         return ""
     first, last = evaluator.history[0], evaluator.history[-1]
+    gain = last.accuracy - first.accuracy
     return (
         f", held-out accuracy {first.accuracy:.3f} (v{first.version}) → "
-        f"{last.accuracy:.3f} (v{last.version})"
+        f"{last.accuracy:.3f} (v{last.version}, {gain:+.3f})"
     )
 
 

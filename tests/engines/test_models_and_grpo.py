@@ -1,6 +1,6 @@
-"""Tiny model creation (deterministic, cached) and the acceptance run: a short GRPO run on
-the synthetic task, in one process, raises the mean verifiable reward, with the GenRM
-reward computed by the tiny GenRM."""
+"""Tiny model creation (deterministic, cached) and the learning check: a short GRPO run on
+the embedded default's task, in one process, raises greedy held-out accuracy, with the
+GenRM reward computed by the tiny GenRM."""
 
 from __future__ import annotations
 
@@ -44,36 +44,41 @@ def test_creation_is_deterministic_and_cached(tmp_path):
     assert ensure_model(c, "policy", progress=False) != pa
 
 
-STEPS = 50  # GRPO steps of 16 prompts x 8 samples
-# Measured (trainer seed 0 / 1): -0.355 → -0.081 / -0.355 → -0.116. The held-out
-# evaluation samples 4 responses per problem with the same random numbers before and
-# after, so the difference is not sampling noise.
+# The learning check: GRPO on the embedded default's own policy and GenRM (created once,
+# cached), 12 steps of 16 prompts x 4 samples, one process, deterministic (fixed seeds,
+# one torch thread). Greedy held-out accuracy on 128 unseen problems, measured for trainer
+# seeds 0-4: 0.719 -> 0.875-0.906 (+0.16 to +0.19) in 8-10 s. It fails if the loss, the
+# advantages, the rewards or the weight update stop improving the policy.
+STEPS = 12
 MARGIN = 0.1
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_grpo_raises_verifiable_reward(request):
+@pytest.mark.timeout(600)
+def test_grpo_improves_held_out_accuracy() -> None:
     torch.set_num_threads(1)
-    cache = request.config.cache.mkdir("pivot_hpc_models")
-    cfg = ModelsConfig(cache_dir=cache)  # the embedded default's policy and GenRM
-    pol_dir, genrm_dir = ensure_models(cfg, progress=False)
+    pol_dir, genrm_dir = ensure_models(ModelsConfig(), progress=False)  # shared cache
     policy, tok = load_model(pol_dir)
     genrm, _ = load_model(genrm_dir)
-    rl = RLConfig(trainer=TrainerConfig(lr=5e-4, seed=0), grpo=GRPOConfig(kl_coef=0.1))
+    rl = RLConfig(trainer=TrainerConfig(lr=2e-4, seed=0), grpo=GRPOConfig(kl_coef=0.1))
     loop = LocalGRPO(policy, genrm, tok, rl)
-    held_out = problems(384, seed=123)
-    before = loop.evaluate(held_out, temperature=1.0, samples=4)
-    report = loop.train(problems(2000, seed=7), steps=STEPS, prompts_per_step=16)
-    after = loop.evaluate(held_out, temperature=1.0, samples=4)
-    curve = [round(s.mean_verifiable, 3) for s in report.steps]
-    print(
-        f"\nGRPO: sampled mean verifiable reward {before.mean_verifiable:.3f} → "
-        f"{after.mean_verifiable:.3f} (accuracy {before.accuracy:.3f} → {after.accuracy:.3f}); "
-        f"train curve {curve}; GenRM unparsable {report.genrm.unparsable}/{report.genrm.judged}"
+    held_out = problems(128, seed=123)
+    before = loop.evaluate(held_out)  # greedy
+    report = loop.train(
+        problems(2000, seed=7), steps=STEPS, prompts_per_step=16, samples_per_prompt=4
     )
-    assert report.genrm.judged == STEPS * 16 * 8
+    after = loop.evaluate(held_out)
+    curve = [round(s.mean_reward, 2) for s in report.steps]
+    print(
+        f"\nGRPO: greedy held-out accuracy {before.accuracy:.3f} → {after.accuracy:.3f}; "
+        f"train reward {curve}; GenRM unparsable {report.genrm.unparsable}/{report.genrm.judged}"
+    )
+    assert report.genrm.judged == STEPS * 16 * 4
     assert report.genrm.unparsable <= 0.2 * report.genrm.judged
     kl = [s.metrics["kl"] for s in report.steps]
     assert min(kl) > -1e-6 and max(kl) > 0  # k3 KL: non-negative, and the policy moved
-    assert after.mean_verifiable >= before.mean_verifiable + MARGIN
+    assert after.accuracy >= before.accuracy + MARGIN
+
+
+def test_verifiable_reward_alone_needs_no_genrm() -> None:
+    with pytest.raises(ValueError, match="genrm_weight"):
+        LocalGRPO(None, None, None, RLConfig())
