@@ -33,6 +33,11 @@ def run(args: argparse.Namespace) -> int:
 
     run_dirs.check(run_dir)
     if args.in_world or in_mpi_world():
+        # each worker sees its own GPU only; CUDA reads this once, so before anything
+        # (torch, mpi4py's CUDA-aware paths) can initialise it
+        from pivot_hpc.runtime.devices import bind_worker_gpu
+
+        bind_worker_gpu(cfg.cluster.ranks_per_node, cfg.cluster.gpus_per_node)
         if cfg.checkpoint.on_signal:  # as early as possible: a signal during start-up
             from pivot_hpc.runtime import stop  # still checkpoints (once the world is up)
 

@@ -1,6 +1,8 @@
 """The two engine protocols (DESIGN.md §5) and the plain data they exchange.
 
-InferenceEngine — what the shift-aware scheduler drives on one replica:
+InferenceEngine — what the shift-aware scheduler drives on one replica; the whole contract
+the worker (runtime/worker.py) uses, and what tests/engines/test_engine_conformance.py
+checks for every engine:
     add(seq_id, prompt_ids, generated_ids, sampling)   admit a sequence; `generated_ids`
         (and their `generated_logprobs`) are tokens it already produced elsewhere: the
         engine re-prefills prompt+generated and continues, so an aborted sequence resumes
@@ -10,13 +12,22 @@ InferenceEngine — what the shift-aware scheduler drives on one replica:
         (continuous batching: waiting sequences are prefilled as capacity frees); returns
         the sequences that finished in this step.
     abort(seq_id) -> SeqResult     remove a sequence now; its result carries every token
-        generated so far (including ones given to `add`) and their logprobs.
+        generated so far (including ones given to `add`) and their logprobs. KeyError for a
+        sequence the engine does not hold (unknown, or already reported by `step`).
+    abort_all() -> list[SeqResult] `abort` of every sequence.
+    snapshot() -> list[SeqResult]  tokens of every sequence so far, without disturbing any
+        (checkpoints); each is a prefix of what the sequence will finally return.
+    seq_lengths() -> {seq_id: context length}   for the monitor.
     stats() -> EngineStats         running / waiting sequences, tokens in the KV cache,
-        KV capacity, latency of the last decode step.
+        KV capacity, latency and shape of the last decode step(s).
     load_weights(tensors, version) copy canonical HF tensors into the model in place;
-        sequences generated afterwards record `version`.
+        sequences generated afterwards record `version`. `weights_device` is where the
+        tensors should be ("cpu", "cuda"): GPS reads them straight there.
     release_memory(weights=False) / resume_memory()   drop the KV cache (and weights, which
         then come back through `load_weights`); the engine must be idle.
+    rng_state() / set_rng_state(state)   the sampling RNG for checkpoints (None: the engine
+        cannot export it, e.g. SGLang samples in its scheduler process).
+    close()                        free everything; the engine is unusable afterwards.
 
 TrainEngine — the training role:
     load_weights(tensors)          canonical HF tensors → this rank's shard.
@@ -31,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -82,9 +93,10 @@ class EngineStats:
     waiting: int  # admitted by `add` but not yet prefilled (KV capacity)
     tokens_in_cache: int  # KV-cache tokens held by running sequences
     kv_capacity: int  # tokens
-    last_step_s: float  # wall time of the last decode step
-    last_step_seqs: int = 0  # N_seq of the last decode step (0: not reported)
-    last_step_tokens: int = 0  # N_tok (KV tokens attended) of the last decode step
+    last_step_s: float  # wall time of the last decode step (engines that decode on their
+    # own, like SGLang's scheduler: the mean over the steps since the previous `stats`)
+    last_step_seqs: int = 0  # N_seq of that step (0: not reported)
+    last_step_tokens: int = 0  # N_tok (KV tokens attended) of that step
     steps: int = 0  # decode steps so far
     preemptions: int = 0  # running sequences pushed back to waiting under KV pressure
 
@@ -110,6 +122,9 @@ def check_new_sequence(
 
 @runtime_checkable
 class InferenceEngine(Protocol):
+    version: int  # weights version of the last load_weights
+    weights_device: str  # where load_weights wants its tensors
+
     def add(
         self,
         seq_id: int,
@@ -125,6 +140,12 @@ class InferenceEngine(Protocol):
 
     def abort(self, seq_id: int) -> SeqResult: ...
 
+    def abort_all(self) -> list[SeqResult]: ...
+
+    def snapshot(self) -> list[SeqResult]: ...
+
+    def seq_lengths(self) -> dict[int, int]: ...
+
     def has_unfinished(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
@@ -134,6 +155,12 @@ class InferenceEngine(Protocol):
     def release_memory(self, weights: bool = False) -> None: ...
 
     def resume_memory(self) -> None: ...
+
+    def rng_state(self) -> Any: ...
+
+    def set_rng_state(self, state: Any) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)

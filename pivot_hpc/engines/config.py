@@ -8,45 +8,67 @@ from typing import Literal
 
 from pivot_hpc.errors import fail
 
-# ServerArgs the sglang adapter sets itself (pivot_hpc.engines.factory); it also relies on
-# cumulative stream chunks and on a single scheduler (no data parallelism).
+# ServerArgs the sglang adapter sets itself (pivot_hpc.engines.factory, sglang_launch); it
+# also relies on cumulative stream chunks and on a single scheduler (no data parallelism).
+# Placement (base_gpu_id 0 over the replica's CUDA_VISIBLE_DEVICES) and ports are per
+# replica, so a value in the config would be wrong for every replica but one.
 SGLANG_OWNED_ARGS = frozenset(
     {
         "model_path",
         "tp_size",
         "base_gpu_id",
+        "gpu_id_step",
         "skip_tokenizer_init",
         "enable_memory_saver",
         "context_length",
         "max_total_tokens",
         "max_running_requests",
         "mem_fraction_static",
+        "chunked_prefill_size",
         "random_seed",
         "incremental_streaming_output",
         "dp_size",
+        "port",
+        "nccl_port",
+        "dist_init_addr",
     }
 )
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(kw_only=True)
 class InferenceEngineConfig:
-    """`hf` = the CPU continuous-batching engine; `sglang` = GPU production engine."""
+    """`hf` = the embedded continuous-batching engine (CPU, or the worker's GPU);
+    `sglang` = the GPU production engine."""
 
     engine: Literal["hf", "sglang"] = "hf"  # which engine serves the role
     max_batch: int = 256  # running sequences at most (KV slots)
     max_seq_len: int | None = None  # None = the model's max_position_embeddings
-    # padded tokens prefilled per engine step (hf: one prefill forward per step): bounds a
-    # step's latency, and so how long an abort or shift waits for the engine
+    # padded tokens prefilled per engine step (hf: one prefill forward per step; sglang:
+    # its chunked_prefill_size): bounds a step's latency, and so how long an abort or shift
+    # waits for the engine
     prefill_chunk_tokens: int = 4096
-    num_threads: int = 1  # torch threads of the worker process (hf)
+    num_threads: int = 1  # torch threads of the worker process (hf; sglang: not used)
     seed: int = 0  # sampling seed; each worker samples with seed + rl.trainer.seed + its rank
+    # hf: where the model, its KV cache and GPS reads live; auto = the worker's GPU if it
+    # has one (cluster binding: one GPU per worker), else CPU. sglang always runs on GPUs.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     # A YAML file written by `pivot-hpc profile`; its fitted constants replace the role's
     # `throughput` section (see pivot_hpc.engines.profile.apply_profiles).
     throughput_profile: Path | None = None
     # --- `sglang` only (pivot_hpc.engines.sglang_engine) ---
-    # GPU memory fraction for weights + KV pool; None = SGLang's own choice. The pool is
-    # further capped by the role's kv_capacity_tokens (SGLang's max_total_tokens).
+    # Fraction of the GPU memory free at the engine's start that SGLang gives to weights +
+    # KV pool; None = sized at each start from the memory actually free there, keeping
+    # memory_reserve_gib for activations and CUDA graphs. The pool is further capped by the
+    # role's kv_capacity_tokens (SGLang's max_total_tokens).
     mem_fraction_static: float | None = None
+    memory_reserve_gib: float = 10.0  # used when mem_fraction_static is None
+    # SGLang must be idle before a memory release or a cache flush; it reaches idle one
+    # scheduler step after the last request ends. Waiting longer than this is an error.
+    idle_timeout_s: float = 60.0
+    # First TCP port of this role's per-GPU port blocks (SGLang's port, nccl_port and
+    # dist_init_addr, one block of 16 per node-local GPU; a port in use is skipped).
+    port_base: int = 30000
     weight_bucket_mb: int = 512  # bytes per update_weights_from_tensor call (staging memory)
     stream_interval: int = 16  # tokens between progress reports (sequence lengths)
     poll_s: float = 0.005  # step() waits at most this long for a sequence to finish
@@ -73,7 +95,13 @@ class InferenceEngineConfig:
         for name in ("weight_bucket_mb", "stream_interval"):
             if getattr(self, name) < 1:
                 fail(f"{path}.{name}", getattr(self, name), "must be >= 1")
-        for name in ("poll_s", "abort_timeout_s"):
+        if self.device not in DEVICES:
+            fail(f"{path}.device", self.device, f"must be one of {', '.join(DEVICES)}")
+        if self.memory_reserve_gib < 0:
+            fail(f"{path}.memory_reserve_gib", self.memory_reserve_gib, "must be >= 0")
+        if not 1024 <= self.port_base <= 65535 - 16 * 64:
+            fail(f"{path}.port_base", self.port_base, f"must be in [1024, {65535 - 16 * 64}]")
+        for name in ("poll_s", "abort_timeout_s", "idle_timeout_s"):
             if getattr(self, name) <= 0:
                 fail(f"{path}.{name}", getattr(self, name), "must be > 0")
         owned = sorted(set(self.server_args) & SGLANG_OWNED_ARGS)
@@ -82,7 +110,8 @@ class InferenceEngineConfig:
                 f"{path}.server_args",
                 self.server_args,
                 f"{owned} are set by the sglang adapter (from tp, kv_capacity_tokens, max_batch, "
-                "max_seq_len, mem_fraction_static, seed); remove them",
+                "max_seq_len, prefill_chunk_tokens, mem_fraction_static, seed, port_base and "
+                "the replica's GPUs); remove them",
             )
 
 

@@ -1,4 +1,8 @@
-"""The `hf` InferenceEngine: continuous batching over a `transformers` Qwen2 model on CPU.
+"""The `hf` InferenceEngine: continuous batching over a `transformers` Qwen2 model.
+
+CPU is its home (the embedded default); on a GPU the same loop runs where the model is
+(`engines.<role>.device`): the KV cache and every index tensor are created on the model's
+device, sampling uses a generator there, and GPS reads land there directly.
 
 Why not `model.generate` or transformers' own continuous batching: generate cannot admit
 or abort a sequence mid-batch, and transformers' CB was 3–9x slower on CPU and returns no
@@ -85,7 +89,11 @@ class HFEngine:
         self.eos_ids = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         self.tokenizer = tokenizer
         self.dtype = next(model.parameters()).dtype
-        self.gen = torch.Generator().manual_seed(seed)
+        self.device = next(model.parameters()).device
+        # where GPS should read weights to: "cpu" (torch tensors over host memory) or "cuda"
+        self.weights_device = self.device.type
+        # multinomial needs its generator on the probabilities' device
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
         self._k: list[torch.Tensor] | None = None
         self._v: list[torch.Tensor] | None = None
@@ -200,6 +208,28 @@ class HFEngine:
         """Every unfinished sequence's tokens so far, without disturbing it (checkpoints)."""
         return [self._result(s, "abort") for s in self._by_id.values()]
 
+    def rng_state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)
+
+    def close(self) -> None:
+        """Drop the KV cache and the sequences (the model belongs to whoever passed it)."""
+        self.running.clear()
+        self.waiting.clear()
+        self._by_id.clear()
+        self._k = self._v = None
+        self._fused = None
+        self._slots = 0
+        self._empty_cache()
+
+    def _empty_cache(self) -> None:
+        # freed KV/weight blocks go back to the driver, so another role on this GPU (SGLang
+        # sizes its pool from what is free, Megatron) can have them
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def seq_lengths(self) -> dict[int, int]:
         """Context length (prompt + generated) of every sequence in the engine."""
         return {s.seq_id: len(s.prompt) + len(s.out) for s in (*self.running, *self.waiting)}
@@ -252,6 +282,7 @@ class HFEngine:
             for name, p in self.model.named_parameters():
                 self._weight_shapes[name] = (p.shape, p.dtype)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._empty_cache()  # KV cache (and weights) back to the driver
 
     def resume_memory(self) -> None:
         """Re-allocate released weights (contents undefined until `load_weights`)."""
@@ -270,8 +301,9 @@ class HFEngine:
             return
         new = min(self.max_batch, max(n, 2 * self._slots, 8))
         shape = (new, self.n_kv, self.max_len, self.head_dim)
-        ks = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
-        vs = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
+        dev = self.device
+        ks = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self.n_layers)]
+        vs = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self.n_layers)]
         if self._k is not None:
             for i in range(self.n_layers):
                 ks[i][: self._slots] = self._k[i]
@@ -391,17 +423,21 @@ class HFEngine:
 
     def _prefill_chunk(self, seqs: list[_Seq]) -> None:
         ctx = [s.prompt + s.out for s in seqs]
-        lens = torch.tensor([len(c) for c in ctx])
-        b, L = len(seqs), int(lens.max())
-        ids = torch.zeros(b, L, dtype=torch.long)
+        n_ctx = [len(c) for c in ctx]
+        b, L = len(seqs), max(n_ctx)
+        # built on the host, one copy to the device (per-element writes would each sync)
+        host_ids = torch.zeros(b, L, dtype=torch.long)
         for i, c in enumerate(ctx):
-            ids[i, : len(c)] = torch.tensor(c)
+            host_ids[i, : len(c)] = torch.tensor(c)
+        dev = self.device
+        ids = host_ids.to(dev)
+        lens = torch.tensor(n_ctx, device=dev)
         first = len(self.running)
         self.running.extend(seqs)
-        pos = torch.arange(L).unsqueeze(0).expand(b, L)
+        pos = torch.arange(L, device=dev).unsqueeze(0).expand(b, L)
         x = self._embed(ids)
         cos, sin = self._rotary(x, pos)
-        ar = torch.arange(L)
+        ar = torch.arange(L, device=dev)
         # causal and key-padding mask (True = attend)
         mask = (ar[None, :] <= ar[:, None])[None, None] & (ar[None, :] < lens[:, None])[
             :, None, None, :
@@ -413,9 +449,9 @@ class HFEngine:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, L, -1))
             x = x + self._mlp(li, layer, x)
-        last = x[torch.arange(b), lens - 1]
+        last = x[torch.arange(b, device=dev), lens - 1]
         logits = self._lm_head(self._norm(last))
-        for s, n in zip(seqs, lens.tolist(), strict=True):
+        for s, n in zip(seqs, n_ctx, strict=True):
             s.cached = n
         self._sample(seqs, logits)
 
@@ -424,13 +460,15 @@ class HFEngine:
         t0 = time.perf_counter()
         seqs = self.running
         n = len(seqs)
-        ids = torch.tensor([s.out[-1] for s in seqs]).unsqueeze(1)
-        pos = torch.tensor([s.cached for s in seqs])
-        L = int(pos.max()) + 1
+        dev = self.device
+        cached = [s.cached for s in seqs]
+        ids = torch.tensor([s.out[-1] for s in seqs], device=dev).unsqueeze(1)
+        pos = torch.tensor(cached, device=dev)
+        L = max(cached) + 1
         x = self._embed(ids)
         cos, sin = self._rotary(x, pos.unsqueeze(1))
-        ar = torch.arange(n)
-        mask = (torch.arange(L)[None, :] <= pos[:, None])[:, None, None, :]
+        ar = torch.arange(n, device=dev)
+        mask = (torch.arange(L, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
         g = self.n_heads // self.n_kv
         for li, layer in enumerate(self._layers):
             q, k, v = self._attn_qkv(li, self._norm_in(li, layer, x), cos, sin)
@@ -447,20 +485,21 @@ class HFEngine:
             s.cached += 1
         self._sample(seqs, logits)
         self._last_step_s = time.perf_counter() - t0
-        self._last_step_shape = (n, int(pos.sum()) + n)
+        self._last_step_shape = (n, sum(cached) + n)
         self._steps += 1
 
     # ------------------------------------------------------------ sampling
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         logits = logits.float()
-        temps = torch.tensor([s.sampling.temperature for s in seqs])
+        dev = logits.device
+        temps = torch.tensor([s.sampling.temperature for s in seqs], device=dev)
         greedy = temps == 0
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
         logp = torch.log_softmax(scaled, dim=-1)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
             probs = logp.exp()
-            top_p = torch.tensor([s.sampling.top_p for s in seqs])
+            top_p = torch.tensor([s.sampling.top_p for s in seqs], device=dev)
             if bool((top_p < 1).any()):
                 sp, si = probs.sort(dim=-1, descending=True)
                 drop = (sp.cumsum(-1) - sp) >= top_p[:, None]

@@ -105,6 +105,7 @@ class MegatronTrainEngine:
         self.steps = 0
         self._host_optimizer_state: dict | None = None
         self._host_master: list[torch.Tensor] | None = None
+        self._released: list[tuple[torch.nn.Parameter, torch.Size]] | None = None
 
     # ----------------------------------------------------------------- weights
     def load_weights(self, tensors: Tensors) -> None:
@@ -440,6 +441,41 @@ class MegatronTrainEngine:
     @property
     def optimizer_offloaded(self) -> bool:
         return self._host_optimizer_state is not None
+
+    # ------------------------------------------------- parameters off the device
+    def release_memory(self) -> None:
+        """Parameters and gradient buffers off the device while training is shifted down:
+        GPS holds the published weights and `load_weights` refills them after
+        `resume_memory` (the optimizer state has its own offload). On a GPU the memory goes
+        back to the driver, so the inference engine that shifts up next (SGLang sizes its
+        KV pool from the memory free at its start) finds it free."""
+        if self._released is not None:
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self._released = [(p, p.shape) for p in self.model.parameters()]
+        for p, _ in self._released:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            buf.offload_to_cpu(move_params=False, move_grads=True)  # views stay valid
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Re-allocate what `release_memory` freed (contents undefined until
+        `load_weights`; gradients zero)."""
+        if self._released is None:
+            return
+        for p, shape in self._released:
+            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            buf.reload_from_cpu(move_params=False, move_grads=True)
+        self._released = None
+
+    @property
+    def memory_released(self) -> bool:
+        return self._released is not None
 
     # ------------------------------------------------------------ checkpoints
     def _init_optimizer_state(self) -> None:

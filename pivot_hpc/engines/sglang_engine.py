@@ -4,39 +4,62 @@ Targets SGLang 0.5.23 (pinned by the `gpu` extra). Every call below was read fro
 release's source (paths under python/sglang/srt/):
 
 - `Engine(**ServerArgs fields)` (entrypoints/engine.py): model_path, tp_size (= the
-  replica's GPUs), base_gpu_id, skip_tokenizer_init=True (input_ids in, output_ids out),
-  enable_memory_saver=True (release/resume), context_length, max_total_tokens (= the role's
-  kv_capacity_tokens), max_running_requests, mem_fraction_static, random_seed.
+  replica's GPUs), base_gpu_id 0 over CUDA_VISIBLE_DEVICES = the replica's GPUs, ports,
+  skip_tokenizer_init=True (input_ids in, output_ids out), enable_memory_saver=True
+  (release/resume), context_length, max_total_tokens (= the role's kv_capacity_tokens),
+  max_running_requests, chunked_prefill_size, mem_fraction_static, random_seed. Placement,
+  ports and the memory budget are chosen around the start (sglang_launch.py, factory.py).
 - Generation: `await engine.async_generate(input_ids=, sampling_params=, return_logprob=True,
   stream=True, rid=)` yields cumulative chunks `{"output_ids", "meta_info": {"finish_reason":
   {"type": "stop"|"length"|"abort", ...}, "output_token_logprobs": [(logprob, id, None)]}}`.
   The stop token is part of `output_ids` (`Req.output_ids_through_stop`). Streaming, every
-  `stream_interval` tokens, only feeds `seq_lengths`. Logprobs are SGLang's default,
-  log softmax(logits / T), T = 1 for greedy; do not set SGLANG_RETURN_ORIGINAL_LOGPROB.
+  `stream_interval` tokens, feeds `seq_lengths` and `snapshot`. Logprobs are SGLang's
+  default, log softmax(logits / T), T = 1 for greedy; do not set
+  SGLANG_RETURN_ORIGINAL_LOGPROB.
 - Abort: `engine.tokenizer_manager.abort_request(rid=)` (Engine has no abort method). A
   running request ends after one more forward pass with its partial output and finish
   reason "abort"; a queued one with no new tokens. The scheduler matches rids by prefix
   (`req.rid.startswith(rid)`), so every rid ends with "/". An abort that reaches the
   scheduler before the request is lost, so abort first waits for
   `tokenizer_manager.rid_to_state[rid].dispatched`.
+- Signals: the tokenizer manager's handle loop installs SIGTERM and SIGQUIT handlers on
+  the event loop (`auto_create_handle_loop`, managers/tokenizer_manager.py:2440-2459); its
+  SIGTERM handler drains and exits the process, which would skip the checkpoint a
+  preempted job owes (runtime/stop.py). The adapter creates that loop at once and takes
+  SIGTERM back (`loop.remove_signal_handler`, then `stop.reinstall()`); SIGQUIT stays
+  SGLang's: it is how a dying scheduler child takes the rank down.
+- Idle: "every request finished" is not "the scheduler is idle" (the overlap loop keeps the
+  last batch one more step, managers/scheduler.py:2061-2131), and
+  `release_memory_occupation` asserts idle (scheduler_components/weight_updater.py:337-340;
+  a failed assert SIGQUITs the rank). `flush_cache()` succeeds only when idle, so before
+  every release, after a weight update and before new work on a stale prefix cache, the
+  adapter retries it until it succeeds (slime: 60 × 1 s), up to `idle_timeout_s`.
 - Memory: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)`, tags
-  "weights", "kv_cache", "cuda_graph". The scheduler asserts it is idle on release, and a
-  tag can only be resumed after it was released. As in slime, weights come back first and
-  the KV cache and CUDA graphs only after the new weights are loaded, so the staging
-  buffers of the update never compete with the KV pool.
+  "weights", "kv_cache", "cuda_graph". A tag can only be resumed after it was released. As
+  in slime, weights come back first and the KV cache and CUDA graphs only after the new
+  weights are loaded, so the staging buffers of the update never compete with the KV pool.
 - Weights: `begin_weight_update()`, then per bucket `update_weights_from_tensor(payloads,
-  load_format="flattened_bucket", flush_cache=...)`, then `end_weight_update()` (0.5.23
-  refuses tensor updates outside that session); see sglang_weights.py. The version is also
-  given to SGLang (`tokenizer_manager.update_weight_version`, shown as
-  meta_info["weight_version"]), but SeqResult.version comes from the adapter: SGLang keeps
-  that field in process-wide config. With requests running, the update pauses the
-  scheduler in place (`pause_generation(mode="in_place")` ... `continue_generation`), so the
-  running sequences keep their KV cache and continue under the new weights, as in the `hf`
-  engine. The prefix cache from the old weights is flushed once the engine is idle.
+  load_format="flattened_bucket", flush_cache=False)`, then `end_weight_update()` (0.5.23
+  refuses tensor updates outside that session), then one flush with retry
+  (`flush_cache=True` on a bucket fails the whole update when the scheduler is not idle
+  yet, weight_updater.py:118-131); see sglang_weights.py. Buckets travel through /dev/shm,
+  which must hold the largest one. The version is also given to SGLang
+  (`tokenizer_manager.update_weight_version`, shown as meta_info["weight_version"]), but
+  SeqResult.version comes from the adapter: SGLang keeps that field in process-wide
+  config. With requests running, the update pauses the scheduler in place
+  (`pause_generation(mode="in_place")` ... `continue_generation`), so the running
+  sequences keep their KV cache and continue under the new weights, as in the `hf` engine.
+  The prefix cache from the old weights is flushed once the engine is idle.
 - Stats: `tokenizer_manager.get_loads()` returns the LoadSnapshot the scheduler publishes for
   /v1/loads (num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens,
-  decode_moments). It is read from shared memory with no round trip, and is a few steps
-  stale. `/get_load` no longer exists in 0.5.23.
+  decode_moments = [steps, Σ batch size, Σ step µs, ...]). It is read from shared memory
+  with no round trip, and is a few steps stale. The decode steps between two `stats` calls
+  give the mean step latency and batch size (`last_step_*`). `/get_load` no longer exists.
+- Checkpoints: `snapshot` is built from the streamed chunks the adapter already holds
+  (output_ids and their logprobs): it disturbs nothing, and misses at most the
+  `stream_interval - 1` newest tokens of each sequence, which are generated again after a
+  resume. The sampling RNG lives in the scheduler process (seeded by random_seed) and is
+  not exported (`rng_state` is None).
 
 Concurrency: single-threaded. SGLang's own event loop (`engine.loop`, the thread's loop;
 importing sglang's engine module makes uvloop the process's loop policy) runs only inside
@@ -45,16 +68,21 @@ scheduler process keeps decoding regardless. No thread and no lock are needed, a
 synchronous methods (which call `loop.run_until_complete`) stay usable.
 
 One SGLang Engine per process: Engine.__init__ publishes its ServerArgs process-wide
-(`runtime_context.publish`, "replaces whatever was published before it"), so
-EnginesConfig.validate refuses sglang for both roles of a worker.
+(`runtime_context.publish`, "replaces whatever was published before it"). Both roles may
+use sglang; a worker then holds one SGLang engine at a time and closes it before it starts
+the other role's (runtime/worker.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
+import signal
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pivot_hpc.engines.base import (
@@ -64,7 +92,8 @@ from pivot_hpc.engines.base import (
     Tensors,
     check_new_sequence,
 )
-from pivot_hpc.engines.sglang_weights import serialized_buckets
+from pivot_hpc.engines.sglang_weights import bucket_nbytes, plan_buckets, serialized_buckets
+from pivot_hpc.runtime import stop
 
 SGLANG_VERSION = "0.5.23"
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
@@ -146,6 +175,9 @@ class _Req:
     task: asyncio.Task | None = None
     started: bool = False  # the task has entered SGLang (its rid is registered)
     n_new: int = 0  # tokens generated here so far (from stream chunks)
+    # the latest stream chunk's output_ids and output_token_logprobs (for `snapshot`)
+    out_ids: list[int] = field(default_factory=list)
+    out_lps: list = field(default_factory=list)
     abort_sent: bool = False
     done_version: int = 0  # adapter version when the request completed
     result: SeqResult | None = None
@@ -170,6 +202,9 @@ class SGLangEngine:
         stream_interval: int = 16,
         poll_s: float = 0.005,
         abort_timeout_s: float = 60.0,
+        idle_timeout_s: float = 60.0,
+        config_key: str = "engines.<role>",
+        shm_dir: str | Path = "/dev/shm",
     ) -> None:
         self.engine = engine
         self.api = api
@@ -181,6 +216,10 @@ class SGLangEngine:
         self.stream_interval = stream_interval
         self.poll_s = poll_s
         self.abort_timeout_s = abort_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.config_key = config_key
+        self.shm_dir = Path(shm_dir)
+        self.weights_device = "cpu"  # buckets go to SGLang through host shared memory
         self.version = 0
         self._loop: asyncio.AbstractEventLoop = engine.loop
         self._reqs: dict[int, _Req] = {}
@@ -189,13 +228,21 @@ class SGLangEngine:
         self._weights_stale = False  # weights released: contents undefined until load_weights
         self._resume_after_load: list[str] = []  # KV cache / CUDA graphs held back (slime order)
         self._flush_pending = False  # prefix cache holds KV computed with old weights
-        self._moments: tuple[float, float] | None = None  # (decode steps, step µs) seen last
+        # (decode steps, Σ batch size, Σ step µs) of the load snapshot seen last
+        self._moments: tuple[float, float, float] | None = None
         self._last_step_s = 0.0
+        self._last_step_seqs = 0
+        self._last_step_tokens = 0
+        self._closed = False
         self._retractions = 0
         info = engine.get_server_info()
         self.kv_capacity = int(info["max_total_num_tokens"])
         # SGLang rejects an input of max_req_input_len tokens or more (scheduler-side abort)
         self.max_input_len = int(info["max_req_input_len"])
+        # SGLang's handle loop (and with it its SIGTERM handler) now rather than at the
+        # first request: SIGTERM is ours again before any request can run
+        engine.tokenizer_manager.auto_create_handle_loop()
+        self._reclaim_sigterm()
 
     # ------------------------------------------------------------------ API
     def add(
@@ -230,6 +277,10 @@ class SGLangEngine:
             return
         max_new = min(sp.max_tokens - len(gen), self.max_seq_len - n_ctx)
         params = to_sglang_sampling(sp, max_new, self.stream_interval)  # may refuse `stop`
+        if self._flush_pending and not any(r.result is None for r in self._reqs.values()):
+            # the prefix cache holds KV from old weights and nothing runs: drop it before
+            # new work can match it (step() stops being called once the engine is empty)
+            self._until_idle("add")
         self._reqs[seq_id] = rec
         rec.task = self._loop.create_task(self._generate(rec, params))
         rec.task.add_done_callback(lambda _t, rec=rec: self._mark_done(rec))
@@ -299,6 +350,34 @@ class SGLangEngine:
         """Context length (prompt + generated) of every sequence in the engine."""
         return {r.seq_id: r.context_len() for r in self._reqs.values()}
 
+    def snapshot(self) -> list[SeqResult]:
+        """Every sequence's tokens so far, from the chunks already streamed (see the module
+        docstring: up to stream_interval - 1 of the newest tokens are not in it yet)."""
+        out = []
+        for rec in self._reqs.values():
+            if rec.result is not None:  # finished, not yet reported by step
+                r = rec.result
+                ids, lps, version = r.token_ids[len(rec.prior_ids) :], r.logprobs, r.version
+                lps = lps[len(rec.prior_lps) :]
+            else:
+                ids, lps = [], []
+                for t, e in zip(rec.out_ids, rec.out_lps, strict=False):
+                    if e[0] is None or int(e[1]) != int(t):
+                        break  # keep the prefix whose logprobs are known
+                    ids.append(int(t))
+                    lps.append(float(e[0]))
+                version = self.version
+            snap = self._result(rec, list(ids), list(lps), "abort")
+            snap.version = version
+            out.append(snap)
+        return out
+
+    def rng_state(self) -> None:
+        return None  # SGLang samples in its scheduler process (seeded by random_seed)
+
+    def set_rng_state(self, state: Any) -> None:
+        pass  # nothing to restore (see rng_state)
+
     def stats(self) -> EngineStats:
         """From SGLang's load snapshot; the adapter's own count until one is published."""
         loads = self._run(self.engine.tokenizer_manager.get_loads())
@@ -315,17 +394,23 @@ class SGLangEngine:
         snap = loads[0]  # one scheduler: the adapter never enables data parallelism
         steps = 0
         if snap.decode_moments:  # [steps, Σ batch, Σ step µs, ...] (scheduler.py)
-            steps, step_us = snap.decode_moments[0], snap.decode_moments[2]
+            steps, batch, step_us = (float(x) for x in snap.decode_moments[:3])
             if self._moments is not None and steps > self._moments[0]:
-                d_us = step_us - self._moments[1]
-                self._last_step_s = d_us / (steps - self._moments[0]) / 1e6
-            self._moments = (steps, step_us)
+                d = steps - self._moments[0]
+                # the decode steps since the last call: mean latency and batch size, what
+                # the monitor refits the throughput model on (N_tok: the cache + one each)
+                self._last_step_s = (step_us - self._moments[2]) / d / 1e6
+                self._last_step_seqs = max(1, round((batch - self._moments[1]) / d))
+                self._last_step_tokens = snap.num_used_tokens + self._last_step_seqs
+            self._moments = (steps, batch, step_us)
         return EngineStats(
             running=snap.num_running_reqs,
             waiting=snap.num_waiting_reqs,
             tokens_in_cache=snap.num_used_tokens,
             kv_capacity=snap.max_total_num_tokens or self.kv_capacity,
             last_step_s=self._last_step_s,
+            last_step_seqs=self._last_step_seqs,
+            last_step_tokens=self._last_step_tokens,
             steps=int(steps),
             preemptions=self._retractions,
         )
@@ -335,6 +420,8 @@ class SGLangEngine:
         `version`. Running sequences are paused in place and continue afterwards."""
         if WEIGHTS in self._released:
             raise RuntimeError("load_weights: call resume_memory() first")
+        plan = plan_buckets(tensors, self.weight_bucket_bytes)
+        self._check_shm(tensors, plan)
         self._collect()  # results finished so far belong to the old version
         running = any(r.result is None for r in self._reqs.values())
         tm = self.engine.tokenizer_manager
@@ -343,7 +430,7 @@ class SGLangEngine:
         try:
             self._check("begin_weight_update", self.engine.begin_weight_update())
             try:
-                self._send_buckets(tensors, flush=not running and KV_CACHE not in self._released)
+                self._send_buckets(tensors, plan)
             finally:
                 self._check("end_weight_update", self.engine.end_weight_update())
             req = self.api.weight_version_req(new_version=str(version), abort_all_requests=False)
@@ -353,7 +440,12 @@ class SGLangEngine:
                 self._run(tm.continue_generation(self.api.continue_req()))
         self.version = version
         self._weights_stale = False
-        self._flush_pending = self._flush_pending or running
+        if KV_CACHE not in self._released:
+            # the prefix cache holds KV of the old weights: one flush now if nothing runs
+            # (with retry: idle comes a step late), else once the engine is idle
+            self._flush_pending = True
+            if not running:
+                self._until_idle("load_weights")
         # slime's order: KV cache and CUDA graphs only after the weights are in place
         if self._resume_after_load:
             self.engine.resume_memory_occupation(tags=self._resume_after_load)
@@ -367,6 +459,8 @@ class SGLangEngine:
         wanted = [KV_CACHE, CUDA_GRAPH, *([WEIGHTS] if weights else [])]
         tags = [t for t in wanted if t not in self._released]  # SGLang cannot pause twice
         if tags:
+            if KV_CACHE not in self._released:
+                self._until_idle("release_memory")  # release asserts idle; failing kills
             self.engine.release_memory_occupation(tags=tags)
             self._released.update(tags)
         if KV_CACHE in tags:
@@ -390,11 +484,54 @@ class SGLangEngine:
 
     def close(self) -> None:
         """Shut SGLang's processes down (also registered by Engine with atexit)."""
-        self.engine.shutdown()
+        if not self._closed:
+            self._closed = True
+            self._reqs.clear()
+            self.engine.shutdown()
 
     # ------------------------------------------------------------ internals
     def _run(self, aw: Any) -> Any:
-        return self._loop.run_until_complete(aw)
+        try:
+            return self._loop.run_until_complete(aw)
+        finally:
+            self._reclaim_sigterm()
+
+    def _reclaim_sigterm(self) -> None:
+        """Take SIGTERM back from SGLang's event loop if it holds it (module docstring)."""
+        if self._loop.remove_signal_handler(signal.SIGTERM):
+            stop.reinstall()
+
+    def _until_idle(self, why: str) -> None:
+        """Retry flush_cache() until the scheduler is idle (it succeeds only then); the
+        loop keeps running meanwhile, so SGLang's tokenizer side is served."""
+        deadline = time.monotonic() + self.idle_timeout_s
+        delay = 0.05
+        while not self.engine.flush_cache().success:
+            if time.monotonic() + delay > deadline:
+                raise RuntimeError(
+                    f"config key '{self.config_key}.idle_timeout_s' = {self.idle_timeout_s}: "
+                    f"SGLang's scheduler was still busy that long after its last request "
+                    f"({why}); raise it if the scheduler is slow to settle"
+                )
+            self._run(asyncio.sleep(delay))
+            delay = min(1.0, delay * 2)
+        self._flush_pending = False
+
+    def _check_shm(self, tensors: Tensors, plan: list[list[str]]) -> None:
+        """Each bucket crosses to SGLang in /dev/shm: refuse before any byte moves if the
+        largest cannot fit (a full /dev/shm fails inside SGLang with SIGBUS or ENOSPC)."""
+        if not plan or not self.shm_dir.is_dir():
+            return
+        largest = max(bucket_nbytes(tensors, names) for names in plan)
+        free = shutil.disk_usage(self.shm_dir).free
+        if largest > free:
+            raise RuntimeError(
+                f"config key '{self.config_key}.weight_bucket_mb' = "
+                f"{self.weight_bucket_bytes >> 20}: a weight bucket of {largest / 2**20:.0f} "
+                f"MiB does not fit in {self.shm_dir} ({free / 2**20:.0f} MiB free); lower "
+                "weight_bucket_mb (a single tensor larger than it travels alone) or give the "
+                "job more shared memory (a container's --shm-size)"
+            )
 
     async def _generate(self, rec: _Req, params: dict) -> dict | None:
         rec.started = True
@@ -408,7 +545,9 @@ class SGLangEngine:
         last = None
         async for chunk in chunks:  # cumulative chunks (incremental_streaming_output off)
             last = chunk
-            rec.n_new = len(chunk["output_ids"])
+            rec.out_ids = chunk["output_ids"]
+            rec.out_lps = chunk["meta_info"].get("output_token_logprobs") or []
+            rec.n_new = len(rec.out_ids)
         return last
 
     def _mark_done(self, rec: _Req) -> None:
@@ -499,20 +638,21 @@ class SGLangEngine:
             version=rec.done_version,
         )
 
-    def _send_buckets(self, tensors: Tensors, flush: bool) -> None:
-        for payloads, last in serialized_buckets(
+    def _send_buckets(self, tensors: Tensors, plan: list[list[str]]) -> None:
+        for bucket in serialized_buckets(
             tensors,
-            max_bytes=self.weight_bucket_bytes,
+            plan=plan,
             tp_size=self.tp_size,
             bucket_cls=self.api.bucket_cls,
             serializer=self.api.serializer,
         ):
+            # `bucket` (its shared memory) stays referenced until SGLang has taken it;
+            # no flush here: it would fail the update while the scheduler settles
             res = self.engine.update_weights_from_tensor(
-                named_tensors=payloads,
-                load_format="flattened_bucket",
-                flush_cache=flush and last,  # one flush, after the last bucket
+                named_tensors=bucket.payloads, load_format="flattened_bucket", flush_cache=False
             )
             self._check("update_weights_from_tensor", res)
+            del bucket
 
     @staticmethod
     def _check(what: str, res: Any) -> None:

@@ -12,10 +12,13 @@ calls the model's `load_weights`, the same path that loads a checkpoint from dis
   a byte offset that is a multiple of the item size. Mixing a bf16 tensor of odd length with
   a float32 one would break that.
 - Tensors travel as CPU shared memory (torch's ForkingPickler shares the storage by file
-  descriptor; SGLang's SafeUnpickler allows `rebuild_storage_fd` / `DupFd`). CUDA IPC would
-  save one copy but the producer would have to keep every bucket alive until the
-  scheduler's asynchronous device copies finish, which SGLang does not signal (slime's
-  `update_weight_from_tensor.py` warns about exactly this).
+  descriptor; SGLang's SafeUnpickler allows `rebuild_storage_fd` / `DupFd`): each bucket
+  takes its size in /dev/shm, and the receiving TP ranks fetch the descriptor from this
+  process while they unpickle. So the producer keeps a bucket's flattened tensor alive
+  until `update_weights_from_tensor` has returned (`SerializedBucket.keepalive`, as slime's
+  `update_weight_from_tensor.py` does), and one bucket at a time. CUDA IPC would save one
+  copy but the producer would have to keep every bucket alive until the scheduler's
+  asynchronous device copies finish, which SGLang does not signal.
 - One serialized payload per TP rank, as `Engine._serialize_tensors_per_rank` does for the
   other formats: a shared-memory descriptor (like a CUDA IPC handle) is consumed once.
 """
@@ -23,6 +26,7 @@ calls the model's `load_weights`, the same path that loads a checkpoint from dis
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -70,21 +74,37 @@ def bucket_payload(named: list[tuple[str, torch.Tensor]], bucket_cls: Callable[.
     return {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
 
 
+def bucket_nbytes(tensors: Mapping[str, torch.Tensor], names: list[str]) -> int:
+    return sum(tensor_nbytes(tensors[n]) for n in names)
+
+
+@dataclass(frozen=True)
+class SerializedBucket:
+    payloads: list[Any]  # one per TP rank: `named_tensors` of update_weights_from_tensor
+    last: bool  # the last bucket of the update
+    nbytes: int  # its size (what it takes in /dev/shm)
+    keepalive: Any  # the flattened tensor the payloads point at: alive until the call returns
+
+
 def serialized_buckets(
     tensors: Mapping[str, torch.Tensor],
     *,
-    max_bytes: int,
+    plan: list[list[str]],
     tp_size: int,
     bucket_cls: Callable[..., Any],
     serializer: Serializer,
-) -> Iterator[tuple[list[Any], bool]]:
-    """Per bucket: (one serialized payload per TP rank, whether it is the last bucket).
-    The payload list is the `named_tensors` argument of `Engine.update_weights_from_tensor`
-    with load_format="flattened_bucket". Lazy, so one bucket's staging copy is alive at a
-    time."""
+) -> Iterator[SerializedBucket]:
+    """One SerializedBucket per bucket of `plan` (`plan_buckets`). Lazy, so one bucket's
+    staging copy is alive at a time; the caller holds the yielded bucket until SGLang has
+    taken it (the generator's own reference ends when it is resumed)."""
     if tp_size < 1:
         raise ValueError(f"serialized_buckets: tp_size={tp_size} must be >= 1")
-    plan = plan_buckets(tensors, max_bytes)
     for i, names in enumerate(plan):
         payload = bucket_payload([(n, tensors[n]) for n in names], bucket_cls)
-        yield [serializer.serialize(payload) for _ in range(tp_size)], i == len(plan) - 1
+        yield SerializedBucket(
+            payloads=[serializer.serialize(payload) for _ in range(tp_size)],
+            last=i == len(plan) - 1,
+            nbytes=bucket_nbytes(tensors, names),
+            keepalive=payload["flattened_tensor"],
+        )
+        del payload

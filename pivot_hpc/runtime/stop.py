@@ -9,6 +9,10 @@ changes nothing.
 `pivot-hpc run` on a workstation passes a SIGTERM it receives on as SIGUSR2
 (`FORWARDED_TERM`): mpirun forwards USR1/USR2 to the ranks but kills them on TERM. The
 ranks record it as the SIGTERM it was.
+
+Libraries may take a signal over: SGLang's first request installs its own SIGTERM handler
+(drain, then `sys.exit(0)`: a preempted job would exit without its checkpoint). Whoever
+starts such a library calls `reinstall()` afterwards.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 FORWARDED_TERM = signal.SIGUSR2
 
 _requested: str | None = None
+_installed = False
 
 
 def _handler(signum, _frame) -> None:
@@ -30,8 +35,24 @@ def _handler(signum, _frame) -> None:
 
 
 def install() -> None:
+    global _installed
     for s in (*SIGNALS, FORWARDED_TERM):
         signal.signal(s, _handler)
+    _installed = True
+
+
+def installed() -> bool:
+    return _installed
+
+
+def reinstall() -> bool:
+    """Put our handlers back if `install` ran (checkpoint.on_signal), else restore the
+    default SIGTERM action (the process ends); returns whether ours are in place."""
+    if _installed:
+        install()
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return _installed
 
 
 def requested() -> str | None:

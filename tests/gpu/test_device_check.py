@@ -4,11 +4,13 @@
   contiguous copies, per-row and span+gather strided runs) equals `LocalCopy`'s plain copy,
   and the device check's whole `--cpu-dry-run` passes (every section's code on CPU).
 - With CUDA: each section of the device check at small sizes, asserting correctness
-  (Megatron vs HF logits, GPS bytes read into VRAM).
+  (Megatron vs HF logits, GPS bytes read into VRAM), the full live run of
+  configs/gpu/device-check.yaml, and the `sglang` adapter where SGLang is installed.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 
@@ -134,14 +136,21 @@ def test_host_registration_pages_and_ownership(code, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_cpu_dry_run_passes(tmp_path, monkeypatch):
-    """Every section of the device check, on CPU with tiny sizes (gloo, torch CPU arenas)."""
+    """Every section of the device check, on CPU with tiny sizes (gloo, torch CPU arenas;
+    the live run with a tiny architecture; the sglang adapter over the tests' fake)."""
     monkeypatch.setenv("OUT", str(tmp_path))
     rc = dc.main(["--cpu-dry-run"])
     report = (tmp_path / "device_check.json").read_text()
     assert rc == 0, report[-4000:]
     assert '"mode": "cpu-dry-run"' in report
+    sections = json.loads(report)["sections"]
+    live = sections["live"]
+    assert live["ok"] and live["rollout_tokens_per_s"] > 0 and live["reward_tokens_per_s"] > 0
+    assert {"up rollout", "up reward", "up training"} <= set(live["shift_phases"])
+    assert live["gps_read_gbps_rollout"]["median"] > 0
+    assert sections["sglang"]["ok"] and sections["sglang"]["backend"] == "fake"
 
 
 # --------------------------------------------------------------------- on a CUDA device
@@ -176,3 +185,18 @@ def test_gps_store_read_into_vram():
 def test_hf_engine_generates_on_cuda():
     r = _section("hf")
     assert all(run["tokens_per_s"] > 0 for run in r["runs"])
+
+
+@needs_cuda
+def test_live_run_shifts_every_gpu_between_roles():
+    out = dc.run_section("live", timeout=dc.TIMEOUTS["live"], log_dir=os.environ.get("OUT"))
+    assert out.get("ok"), out.get("summary")
+    assert out["gps_read_gbps_rollout"]["into"] == "VRAM"
+
+
+@needs_cuda
+def test_sglang_adapter_for_real_where_installed():
+    r = dc.run_section("sglang", timeout=dc.TIMEOUTS["sglang"], log_dir=os.environ.get("OUT"))
+    if r.get("ok") is None:
+        pytest.skip(r["summary"])  # "sglang not installed"
+    assert r["ok"] and r["backend"] == "sglang", r.get("summary")

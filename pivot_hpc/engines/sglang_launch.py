@@ -1,0 +1,168 @@
+"""What an SGLang Engine needs around its start: its GPUs, its ports, its memory budget.
+
+SGLang 0.5.23 starts its scheduler processes with `spawn`, and they inherit the leader's
+environment at that moment; the leader's own CUDA state (if any) is untouched. So a replica
+is placed the way veRL places its servers: `CUDA_VISIBLE_DEVICES` = exactly the replica's
+GPUs while `Engine(...)` runs, `base_gpu_id` 0 (the scheduler's GPU is base_gpu_id + tp_rank
+among the *visible* devices, entrypoints/engine.py:935), and the variable restored after.
+
+- Ports: without `nccl_port` SGLang picks a random free one in each leader, which two
+  leaders starting at once on a node can both pick. Each node-local GPU slot gets its own
+  block of PORTS_PER_SLOT ports from `engines.<role>.port_base`; the first free ones become
+  `port` and `nccl_port` (= `dist_init_addr`'s port, what torch.distributed binds).
+- `PYTORCH_CUDA_ALLOC_CONF`: the memory saver (release/resume_memory_occupation) does not
+  support expandable segments, so they are removed for the scheduler processes (as slime
+  does); the rest of the setting is kept.
+- Memory: SGLang sizes its KV pool once, at the start, as
+  free_after_weights - free_before_weights · (1 - mem_fraction_static)
+  (kv_cache_configurator._profile_available_bytes). With `mem_fraction_static` unset the
+  fraction is chosen from the memory free right now so that exactly
+  `memory_reserve_gib` stays outside the pool (activations, CUDA graphs), instead of a
+  fraction tuned for an empty GPU; too little free memory is an error naming the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+from pivot_hpc.errors import PivotError
+
+PORTS_PER_SLOT = 16
+GIB = 1 << 30
+
+
+class LaunchError(PivotError, RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def scoped_env(changes: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (or, for None, remove) environment variables for the block; restore after."""
+    before = {k: os.environ.get(k) for k in changes}
+    try:
+        for k, v in changes.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def without_expandable_segments(conf: str | None) -> str | None:
+    """PYTORCH_CUDA_ALLOC_CONF without `expandable_segments:...`; None if nothing is left."""
+    if conf is None:
+        return None
+    kept = [p for p in conf.split(",") if p.strip() and not p.strip().startswith("expandable")]
+    return ",".join(kept) or None
+
+
+def launch_env(visible: str | None) -> dict[str, str | None]:
+    """The environment changes around `Engine(...)` (see the module docstring)."""
+    changes: dict[str, str | None] = {
+        "PYTORCH_CUDA_ALLOC_CONF": without_expandable_segments(
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        )
+    }
+    if visible is not None:
+        changes["CUDA_VISIBLE_DEVICES"] = visible
+    return changes
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def engine_ports(
+    port_base: int,
+    slot: int,
+    *,
+    config_key: str,
+    n: int = 2,
+    is_free: Callable[[int], bool] = port_is_free,
+) -> list[int]:
+    """`n` free ports from the block of node-local GPU `slot` (a port in use is skipped;
+    blocks of other slots are not entered, so leaders starting together never collide)."""
+    start = port_base + PORTS_PER_SLOT * slot
+    found = [p for p in range(start, start + PORTS_PER_SLOT) if is_free(p)][:n]
+    if len(found) < n:
+        raise LaunchError(
+            f"config key '{config_key}' = {port_base}: ports {start}..{start + PORTS_PER_SLOT - 1}"
+            f" of GPU slot {slot} are in use; choose another port_base"
+        )
+    return found
+
+
+def weights_bytes(model_dir: str | Path) -> int:
+    """Bytes of the model's safetensors files (what its weights take on the GPUs)."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def mem_fraction_static(
+    free_bytes: int, weights: int, reserve_bytes: int, *, config_key: str
+) -> float:
+    """The `mem_fraction_static` that leaves `reserve_bytes` of `free_bytes` (the memory
+    free before SGLang loads `weights` bytes on this GPU) outside weights + KV pool."""
+    pool = free_bytes - weights - reserve_bytes
+    if free_bytes <= 0 or pool <= 0:
+        raise LaunchError(
+            f"config key '{config_key}' = {reserve_bytes / GIB:g}: SGLang would start with "
+            f"{free_bytes / GIB:.2f} GiB free per GPU, the weights take {weights / GIB:.2f} "
+            f"GiB and {reserve_bytes / GIB:g} GiB are kept for activations: no room for a KV "
+            "cache; free the GPU first (release the training context before an inference "
+            "shift up), use a larger tp, or lower the reserve"
+        )
+    return min(0.99, max(0.05, 1.0 - reserve_bytes / free_bytes))
+
+
+def free_gpu_bytes(visible: str | None) -> list[int]:
+    """Free memory of each GPU in `visible` (CUDA_VISIBLE_DEVICES syntax), through NVML, so
+    that the leader does not create a CUDA context for it; [] if it cannot be measured."""
+    try:
+        import pynvml  # nvidia-ml-py, an SGLang dependency
+    except ImportError:
+        return []
+    ids = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    try:
+        pynvml.nvmlInit()
+        try:
+            if not ids:
+                ids = [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            out = []
+            for d in ids:
+                h = (
+                    pynvml.nvmlDeviceGetHandleByIndex(int(d))
+                    if d.isdigit()
+                    else pynvml.nvmlDeviceGetHandleByUUID(d)
+                )
+                out.append(int(pynvml.nvmlDeviceGetMemoryInfo(h).free))
+            return out
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or refusing (no driver): SGLang's own choice
+        return []
+
+
+def check_balanced(free: list[int], *, config_key: str) -> None:
+    """SGLang refuses a tp > 1 start when one GPU has < 90 % of another's free memory
+    (distributed/bootstrap.py:442); say which key and what to do, before it starts."""
+    if len(free) > 1 and min(free) < 0.9 * max(free):
+        raise LaunchError(
+            f"config key '{config_key}': the replica's GPUs have unequal free memory "
+            f"({', '.join(f'{b / GIB:.1f}' for b in free)} GiB): something (a training context "
+            "not yet released, another process) holds memory on some of them"
+        )
