@@ -22,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshots", type=int, default=5, help="distinct snapshots (seeds)")
     p.add_argument("--repeat", type=int, default=5, help="decisions timed per snapshot")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strategy", default="pivot", choices=["pivot", "vanilla", "static", "rule"])
+    p.add_argument(
+        "--strategy", default="pivot", choices=["pivot", "pivot+", "vanilla", "static", "rule"]
+    )
 
 
 def run(args: argparse.Namespace) -> dict:

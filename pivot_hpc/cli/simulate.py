@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--strategy",
-        choices=["pivot", "static", "rule", "vanilla"],
+        choices=["pivot", "pivot+", "static", "rule", "vanilla"],
         help="planner strategy in pivot mode (default: the config's)",
     )
     p.add_argument("--gpus", type=int, help="scale the cluster, allocations and batch to N GPUs")

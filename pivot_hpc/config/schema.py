@@ -119,7 +119,9 @@ class PlannerConfig:
     """When and how to shift GPUs between roles (paper §7, §8.4)."""
 
     # the paper's planner, or an §8.4 ablation
-    strategy: Literal["pivot", "static", "rule", "vanilla"] = "pivot"
+    # pivot+ (ours): pivot, with the re-prefill of the sequences a plan migrates counted
+    # in its penalty (planner/planner.py)
+    strategy: Literal["pivot", "pivot+", "static", "rule", "vanilla"] = "pivot"
     horizon_s: float = 60.0  # H: how long a shift's throughput gain is expected to last
     interval_s: float = 1.0  # how often the planner looks at a fresh snapshot
     # τ_shift per role: the planner's starting values (until measured, see refit_shift_time)
@@ -135,6 +137,11 @@ class PlannerConfig:
     # Simulate every candidate while there are at most this many (the paper's procedure);
     # past it, a coarse-to-fine search over the shift-up count k (≈ 2·log K simulations).
     max_exact_candidates: int = 64
+    # Elastic training (beyond the paper): before each step training may grow its
+    # data-parallel size onto GPUs outside its set and give them back between steps, when
+    # the step's time saved outweighs the inference lost and the re-shard through GPS
+    # (planner/elastic.py). pivot mode only: the static modes keep their allocation.
+    elastic_training: bool = False
 
     def validate(self, path: str) -> None:
         if not math.isfinite(self.horizon_s) or self.horizon_s < 0:
@@ -157,6 +164,12 @@ class SchedulerConfig:
 
     priority: Literal["seq_id", "longest_first", "shortest_first"] = "seq_id"  # queue order
     migration: bool = True  # shift-up migration (Alg. 4); off = the `vanilla` ablation
+    # How many of a role's sequences run at once (beyond the paper). `all`: every queued
+    # sequence that fits (KV capacity, the engines' running-request cap), as in §6.
+    # `pipeline`: at most the concurrency the staleness pipeline can use, (staleness+1) ×
+    # batch × mean/longest generated length (measured), the rest waits in priority order
+    # so older batches finish first (scheduler/admission.py). Every mode uses the same.
+    admission: Literal["all", "pipeline"] = "all"
 
 
 @dataclass(kw_only=True)

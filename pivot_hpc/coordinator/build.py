@@ -17,10 +17,12 @@ from pivot_hpc.config import Config
 from pivot_hpc.coordinator.cluster import Cluster
 from pivot_hpc.coordinator.coordinator import Coordinator, Rewarder
 from pivot_hpc.coordinator.modes import make_mode
+from pivot_hpc.coordinator.monitor import MeasuredTrainingTime, TrainingTime
 from pivot_hpc.coordinator.rl_state import RLState, SampleSource
 from pivot_hpc.planner import Topology
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES
 from pivot_hpc.scheduler import BusyModel, ReplicaModel, ThroughputModel
+from pivot_hpc.scheduler.admission import PipelineAdmission
 
 if TYPE_CHECKING:
     from pivot_hpc.telemetry import TelemetryWriter
@@ -36,10 +38,21 @@ def is_vanilla(cfg: Config) -> bool:
     return strategy(cfg) == "vanilla"
 
 
+def elastic(cfg: Config) -> bool:
+    """Elastic training runs where a planner decides: pivot mode."""
+    return cfg.planner.elastic_training and cfg.deployment.mode == "pivot"
+
+
 def topology(
-    cfg: Config, *, models: Mapping[str, ReplicaModel], kv_capacity: Mapping[str, int]
+    cfg: Config,
+    *,
+    models: Mapping[str, ReplicaModel],
+    kv_capacity: Mapping[str, int],
+    training_tp: int,
+    prefill_s_per_token: Mapping[str, float] | None = None,
 ) -> Topology:
-    """Replica slots, training GPUs (`Config.training_gpus`, per mode) and τ_shift."""
+    """Replica slots, training GPUs (`Config.training_gpus`, per mode), its elastic
+    extension slots (`training_tp` GPUs each) and τ_shift."""
     return Topology.build(
         num_gpus=cfg.cluster.total_gpus,
         gpus_per_node=cfg.cluster.gpus_per_node,
@@ -52,6 +65,9 @@ def topology(
         training_gpus=cfg.training_gpus(),
         allowed={r: getattr(cfg, r).gpus for r in INFERENCE_ROLES},
         shift_time=cfg.planner.shift_time_s,
+        training_tp=training_tp,
+        elastic=elastic(cfg),
+        prefill_s_per_token=prefill_s_per_token,
     )
 
 
@@ -62,6 +78,7 @@ def configured_topology(cfg: Config) -> Topology:
         cfg,
         models={r: ThroughputModel(*_constants(cfg, r)) for r in INFERENCE_ROLES},
         kv_capacity={r: getattr(cfg, r).kv_capacity_tokens for r in INFERENCE_ROLES},
+        training_tp=cfg.rl.trainer.tp,
     )
 
 
@@ -90,8 +107,11 @@ def build(
     rl: RLState,
     rewarder: Rewarder,
     telemetry: TelemetryWriter | None = None,
+    training_time: TrainingTime | None = None,
 ) -> Coordinator:
-    """The coordinator of `cfg` over `cluster` (`rl` may already hold a resumed state)."""
+    """The coordinator of `cfg` over `cluster` (`rl` may already hold a resumed state).
+    `training_time`: the step-time model elastic training sizes steps with (the
+    simulator's catalog; live, measured steps when None)."""
     return Coordinator(
         cluster=cluster,
         topology=topology,
@@ -105,6 +125,11 @@ def build(
         migration=cfg.scheduler.migration and not is_vanilla(cfg),
         refit_shift_time=cfg.planner.refit_shift_time,
         refit_throughput=cfg.planner.refit_throughput and not is_vanilla(cfg),
+        training_time=training_time or MeasuredTrainingTime(),
+        strategy=strategy(cfg),
+        admission=PipelineAdmission(rl.staleness, rl.batch_size)
+        if cfg.scheduler.admission == "pipeline"
+        else None,
     )
 
 
@@ -117,5 +142,6 @@ def run_meta(cfg: Config, rl: RLState, *, simulated: bool, **extra: Any) -> dict
         "simulated": simulated,
         "horizon_s": cfg.planner.horizon_s,
         "staleness": rl.staleness,
+        "elastic_training": elastic(cfg),
         **extra,
     }

@@ -1,6 +1,7 @@
 """The abstract cluster the coordinator drives (DESIGN.md §2: one brain, two clusters).
 
-Replica ids are "<role>:<slot>" (see planner.snapshot); the training set is "training".
+Replica ids are "<role>:<slot>" (see planner.snapshot); the training set is "training",
+its elastic data-parallel extensions "training:<slot>".
 All calls are non-blocking requests; completions come back as events from `poll`.
 """
 
@@ -57,8 +58,9 @@ class Cluster(Protocol):
         """Make an active rollout replica load policy `version` from GPS."""
         ...
 
-    def train(self, step: int, samples: Sequence[Sample]) -> None:
-        """Run one training step on the training set (it must be up)."""
+    def train(self, step: int, samples: Sequence[Sample], extensions: Sequence[str] = ()) -> None:
+        """Run one training step on the training set and the `extensions` it holds (all
+        up): data parallel over all of them."""
         ...
 
     def prefill_time(self, role: str, tokens: int) -> float:

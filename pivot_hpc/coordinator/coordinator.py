@@ -29,11 +29,13 @@ from pivot_hpc.coordinator.events import (
     WeightsUpdated,
 )
 from pivot_hpc.coordinator.mode_api import Mode
-from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock
+from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock, TrainingTime
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState, Sample
 from pivot_hpc.planner import ShiftPlan, Snapshot, Topology, TrainingState, role_of
+from pivot_hpc.planner.elastic import ElasticInputs, elastic_plan
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
 from pivot_hpc.scheduler import MigrationResult, Scheduler, SeqState
+from pivot_hpc.scheduler.admission import PipelineAdmission
 
 if TYPE_CHECKING:  # h5py is imported only by runs that write telemetry
     from pivot_hpc.telemetry import TelemetryWriter
@@ -88,6 +90,9 @@ class Coordinator:
         on_step: Callable[[int, dict[str, float]], None] | None = None,
         refit_shift_time: bool = False,
         refit_throughput: bool = False,
+        training_time: TrainingTime | None = None,
+        strategy: str = "",
+        admission: PipelineAdmission | None = None,
     ) -> None:
         self.cluster = cluster
         self.topology = topology
@@ -101,6 +106,7 @@ class Coordinator:
         self.schedulers = {
             r: Scheduler(r, priority=priority, migration=migration) for r in INFERENCE_ROLES
         }
+        self.admission = admission  # scheduler.admission=pipeline: the role's running cap
         self.training = TrainingState()
         self.samples: dict[int, Sample] = {}
         self.owner: dict[int, str] = {}  # GPU -> replica holding or shifting on it
@@ -134,6 +140,13 @@ class Coordinator:
         self.shift_clock = ShiftClock(topology.shift_time) if refit_shift_time else None
         self.fits = {r: OnlineFit() for r in INFERENCE_ROLES} if refit_throughput else {}
         self._shift_t0: dict[str, float] = {}  # rid -> when its shift was requested
+        # Elastic training (planner.elastic_training; the topology has extension slots):
+        # before each step the planner picks its data-parallel size (planner/elastic.py)
+        self.training_time = training_time
+        self.strategy = strategy
+        self._elastic_step: int | None = None  # the step whose size was decided
+        self._train_t0 = 0.0
+        self._generated = {r: [0, 0] for r in INFERENCE_ROLES}  # finished: tokens, count
 
     # ------------------------------------------------------------- loop
     def run(self, progress: Callable[[int], None] | None = None) -> None:
@@ -263,6 +276,13 @@ class Coordinator:
                 f"on {sched.location(ev.seq_id)}"
             )
         sched.finish(ev.seq_id)
+        gen = self._generated[ev.role]
+        gen[0] += ev.generated
+        gen[1] += 1
+        if self.admission is not None:
+            self.admission.observe(ev.role, ev.generated)
+            slots = len(self.topology.roles[ev.role].slots)
+            sched.replica_limit = self.admission.replica_limit(ev.role, slots)
         s = self.samples[ev.seq_id]
         log = self.steps[s.step]
         if ev.role == "rollout":
@@ -299,8 +319,8 @@ class Coordinator:
         self._start_pending()
 
     def _is_up(self, rid: str) -> bool:
-        if rid == TRAINING:
-            return self.training.active
+        if role_of(rid) == TRAINING:
+            return self.training.holds(rid)
         return rid in self.schedulers[role_of(rid)].replicas
 
     def _start_pending(self) -> None:
@@ -330,9 +350,15 @@ class Coordinator:
             if role == TRAINING:
                 if self.training.busy:
                     raise ConservationError("training cannot shift down while it trains")
-                self.training.active = False
-                self.shifting[TRAINING] = "down"
-                self.cluster.shift_down(TRAINING)
+                for rid in group:
+                    if not self.training.holds(rid):
+                        raise ConservationError(f"{rid} shifts down but training does not hold it")
+                    if rid == TRAINING:
+                        self.training.active = False
+                    else:
+                        self.training.extensions.discard(rid)
+                    self.shifting[rid] = "down"
+                    self.cluster.shift_down(rid)
                 continue
             sched = self.schedulers[role]
             t0 = time.perf_counter()
@@ -404,7 +430,10 @@ class Coordinator:
         else:
             self.stats.shifts_up += 1
             if role == TRAINING:
-                self.training.active = True
+                if rid == TRAINING:
+                    self.training.active = True
+                else:
+                    self.training.extensions.add(rid)
                 self.maybe_train()
             else:
                 if (
@@ -473,17 +502,78 @@ class Coordinator:
 
     # ---------------------------------------------------------- training
     def maybe_train(self) -> None:
-        if self.draining:
+        tr = self.training
+        if self.draining or not tr.active or tr.busy or TRAINING in self.shifting:
             return
-        if self.training.active and not self.training.busy and TRAINING not in self.shifting:
-            if self.rl.batch_ready():
-                batch = self.rl.begin_training()
-                self.training.busy = True
-                self.cluster.train(batch[0].step, batch)
+        if not self.rl.batch_ready():
+            return
+        if self.topology.elastic:
+            if self._extensions_coming():
+                return  # the step's size is decided: it starts once they are up
+            if self._elastic_step != self.rl.version:
+                self._elastic_step = self.rl.version
+                plan = self._elastic_plan()
+                if plan is not None:
+                    self.execute(plan)
+                    if self._extensions_coming():
+                        return
+        batch = self.rl.begin_training()
+        tr.busy = True
+        self._train_t0 = self.cluster.now()
+        self.cluster.train(batch[0].step, batch, sorted(tr.extensions))
+
+    def _extensions_coming(self) -> bool:
+        return any(
+            role_of(r) == TRAINING and self.shifting.get(r) == "up" for r in self.shifting
+        ) or any(role_of(r) == TRAINING for r in self.pending_up)
+
+    def _elastic_plan(self) -> ShiftPlan | None:
+        """The planner's data-parallel size for the step about to start (elastic.py)."""
+        lengths = [s.prompt_len + s.response_len for s in self.rl.batches[self.rl.version]]
+        model = self.training_time
+        step_time = None
+        if model is not None and model.ready():
+            step_time = lambda gpus: model.step_time(lengths, gpus)  # noqa: E731
+        moving = [*self.shifting, *self.pending_up]
+        inputs = ElasticInputs(
+            step_time=step_time,
+            reshard_s=self.topology.shift_time.training,
+            work_tokens=self._inference_work(),
+            value_rate=self._measured_rate(),
+            unavailable=frozenset(g for rid in moving for g in self.topology.gpus_of(rid)),
+        )
+        return elastic_plan(self.snapshot(), inputs, strategy=self.strategy)
+
+    def _inference_work(self) -> float:
+        """Tokens inference still has to make for the released work: every sequence at
+        the mean length its role's sequences finished with (a rollout also needs its
+        judgement); inf while a role with work has finished none."""
+        n_ro, n_rm = self.schedulers["rollout"].n_seq, self.schedulers["reward"].n_seq
+        need = {"rollout": n_ro, "reward": n_ro + n_rm}
+        work = 0.0
+        for role, n in need.items():
+            if not n:
+                continue
+            tokens, count = self._generated[role]
+            if not count:
+                return float("inf")
+            work += n * tokens / count
+        return work
+
+    def _measured_rate(self) -> float:
+        """Rollout + reward tokens/s over the steps trained so far (0 before the first)."""
+        span = self.last_step_end - self.first_step_start
+        return self.tokens_total / span if span > 0 else 0.0
 
     def _on_trained(self, ev: TrainingDone) -> None:
         batch = self.rl.end_training(ev.step)
         self.training.busy = False
+        if self.training_time is not None:
+            gpus = len(self.topology.training_gpus) + self.topology.training_tp * len(
+                self.training.extensions
+            )
+            lengths = [s.prompt_len + s.response_len for s in batch]
+            self.training_time.observe(lengths, gpus, ev.t - self._train_t0)
         log = self.steps.pop(ev.step)
         stale = [self.rl.version - 1 - s.version_start for s in batch]
         if max(stale) > self.rl.staleness:
@@ -558,7 +648,8 @@ class Coordinator:
             f"version {self.rl.version}/{self.rl.steps}, released {self.rl.released}, "
             f"rollout {len(ro.replicas)} replicas {ro.n_running} running {ro.n_queued} queued, "
             f"reward {len(rm.replicas)} replicas {rm.n_running} running {rm.n_queued} queued, "
-            f"training active={self.training.active} busy={self.training.busy}, "
+            f"training active={self.training.active} busy={self.training.busy} "
+            f"extensions={sorted(self.training.extensions)}, "
             f"shifting {sorted(self.shifting)}, pending {self.pending_up}"
         )
 

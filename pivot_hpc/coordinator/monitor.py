@@ -6,12 +6,15 @@ from what it was told at start-up).
   worker finishing its current step, the phases themselves), not the phases alone.
 - `OnlineFit`: a role's throughput constants A–D refitted from the engines' own decode
   step statistics (latency, N_seq, N_tok) over a sliding window.
+- `MeasuredTrainingTime`: a training step's seconds as a function of its tokens and GPUs,
+  fitted from the steps the run has trained (elastic training sizes steps with it).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -84,3 +87,45 @@ class OnlineFit:
             return None
         fit = fit_throughput_model(y, n, tok).model
         return ThroughputModel(fit.A, fit.B, fit.C, fit.D, max_running=max_running)
+
+
+class TrainingTime(Protocol):
+    """Seconds of a training step over sequences of `lengths` tokens on `gpus` GPUs."""
+
+    def ready(self) -> bool:
+        """Whether `step_time` can answer yet."""
+        ...
+
+    def step_time(self, lengths: Sequence[int], gpus: int) -> float: ...
+
+    def observe(self, lengths: Sequence[int], gpus: int, seconds: float) -> None:
+        """A step that ran: its sequences, GPUs and measured duration."""
+        ...
+
+
+class MeasuredTrainingTime:
+    """seconds ≈ a + b·tokens/gpus, least squares (a ≥ 0) over the last `window` steps:
+    data parallelism divides the tokens, the GPS write and step overheads do not. With a
+    single tokens/gpus value seen, a = 0 (ideal scaling until a step shows otherwise)."""
+
+    def __init__(self, window: int = 32) -> None:
+        self.points: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens/gpu, s)
+        self.a, self.b = 0.0, 0.0
+
+    def ready(self) -> bool:
+        return bool(self.points)
+
+    def observe(self, lengths: Sequence[int], gpus: int, seconds: float) -> None:
+        if gpus < 1 or seconds <= 0 or not len(lengths):
+            return
+        self.points.append((float(sum(lengths)) / gpus, float(seconds)))
+        x, y = (np.array(c) for c in zip(*self.points, strict=True))
+        a, b = 0.0, float(y.sum() / x.sum())
+        if np.ptp(x) > 1e-9 * x.max():
+            slope, icept = np.polyfit(x, y, 1)
+            if icept >= 0 and slope > 0:
+                a, b = float(icept), float(slope)
+        self.a, self.b = a, b
+
+    def step_time(self, lengths: Sequence[int], gpus: int) -> float:
+        return self.a + self.b * float(sum(lengths)) / max(gpus, 1)

@@ -1,8 +1,8 @@
 """Step 2 of the planner (§7.1, App. D.1): shift pairs for the chosen shift-up role.
 
 An inactive slot of the shift-up role can be brought up once every replica on its GPUs
-shifts down (free GPUs cost nothing; idle training counts as one replica with no token
-throughput; busy training cannot shift). Slots and the replicas in their way form a
+shifts down (free GPUs cost nothing; idle training — its set or an elastic extension —
+counts as a replica with no token throughput; busy training cannot shift). Slots and the replicas in their way form a
 bipartite graph; each connected component is one shift pair: its eligible slots
 (ordered by slot index) share one shift-down set whose penalty φ = Σ τ_shift·T_i is paid
 once. Components are disjoint, so penalties add (App. D.1).
@@ -19,7 +19,7 @@ from pivot_hpc.planner.snapshot import TRAINING, Snapshot, replica_id, role_of
 
 
 def replica_throughput(snap: Snapshot, rid: str) -> float:
-    if rid == TRAINING:
+    if role_of(rid) == TRAINING:  # training (and its extensions) make no tokens
         return 0.0
     return snap.schedulers[role_of(rid)].replica(rid).T
 
@@ -52,7 +52,7 @@ def shift_pairs(snap: Snapshot, up_role: str, occupancy: dict[int, str]) -> list
         if rid in active:
             continue
         occupants = {occupancy[g] for g in spec.slots[slot] if g in occupancy}
-        if busy_training and TRAINING in occupants:
+        if busy_training and any(role_of(o) == TRAINING for o in occupants):
             continue
         eligible.append((slot, rid))
         parent.setdefault(rid, rid)

@@ -68,33 +68,49 @@ class _Simulator:
     def __init__(self, snap: Snapshot, migration: bool) -> None:
         self.snap = snap
         self.migration = migration
-        self._up: dict[tuple[str, int], float] = {}
-        self._down: dict[tuple[str, frozenset[str]], float] = {}
+        # (throughput after, tokens lost to re-prefilling the sequences it moves)
+        self._up: dict[tuple[str, int], tuple[float, float]] = {}
+        self._down: dict[tuple[str, frozenset[str]], tuple[float, float]] = {}
 
     def role_throughput(self, role: str, up: list[str], down: list[str]) -> float:
+        return self._role(role, up, down)[0]
+
+    def reprefill_cost(self, up: list[str], down: list[str]) -> float:
+        """Tokens the plan's migrations cost beyond φ: every sequence it moves re-prefills
+        its context on the replica it lands on, which decodes nothing meanwhile (at the
+        role's mean replica throughput after the shift)."""
+        return sum(self._role(r, up, down)[1] for r in INFERENCE_ROLES)
+
+    def _role(self, role: str, up: list[str], down: list[str]) -> tuple[float, float]:
         mine_down = frozenset(d for d in down if role_of(d) == role)
         mine_up = [u for u in up if role_of(u) == role]
         if mine_up and mine_down:
             raise ValueError(f"a plan cannot shift {role} both up and down")
+        spec = self.snap.topology.roles[role]
         if mine_up:
             key_up = (role, len(mine_up))
             if key_up not in self._up:
                 sched = self.snap.schedulers[role].clone()
                 sched.migration = sched.migration and self.migration
-                spec = self.snap.topology.roles[role]
-                sched.shift_up(
+                res = sched.shift_up(
                     ((rid, spec.kv_capacity, spec.model) for rid in mine_up), record=False
                 )
-                self._up[key_up] = sched.throughput()
+                self._up[key_up] = self._outcome(sched, res.moved_tokens, spec)
             return self._up[key_up]
         if mine_down:
             key = (role, mine_down)
             if key not in self._down:
                 sched = self.snap.schedulers[role].clone()
-                sched.shift_down(sorted(mine_down), record=False)
-                self._down[key] = sched.throughput()
+                res = sched.shift_down(sorted(mine_down), record=False)
+                self._down[key] = self._outcome(sched, res.moved_tokens, spec)
             return self._down[key]
-        return self.snap.throughput(role)
+        return self.snap.throughput(role), 0.0
+
+    @staticmethod
+    def _outcome(sched, moved_tokens: int, spec) -> tuple[float, float]:
+        t = sched.throughput()
+        per_replica = t / len(sched.replicas) if sched.replicas else 0.0
+        return t, moved_tokens * spec.prefill_s_per_token * per_replica
 
     def overall(self, up: list[str], down: list[str]) -> float:
         t = {r: self.role_throughput(r, up, down) for r in INFERENCE_ROLES}
@@ -182,10 +198,12 @@ class PivotStrategy:
         name: str = "pivot",
         migration: bool = True,
         max_up: int | None = None,
+        reprefill: bool = False,
     ) -> None:
         self.name = name
         self.horizon = cfg.horizon_s
         self.migration = migration
+        self.reprefill = reprefill  # pivot+: migrations' re-prefill counts in the penalty
         self.max_up = max_up
         self.max_exact = cfg.max_exact_candidates
 
@@ -225,13 +243,9 @@ class PivotStrategy:
         def evaluate(i: int) -> float:
             c = cands[i]
             t_new = sim.overall(c.up, c.down)
+            phi = c.penalty + (sim.reprefill_cost(c.up, c.down) if self.reprefill else 0.0)
             ev = CandidateEval(
-                c.k,
-                list(c.up),
-                list(c.down),
-                c.penalty,
-                t_new,
-                self.horizon * (t_new - t_cur) - c.penalty,
+                c.k, list(c.up), list(c.down), phi, t_new, self.horizon * (t_new - t_cur) - phi
             )
             evals.append(ev)
             return ev.benefit
@@ -344,7 +358,7 @@ class RuleStrategy:
             other = "reward" if role == "rollout" else "rollout"
             for pair in shift_pairs(snap, role, occupancy):
                 ok = all(
-                    d == TRAINING or (role_of(d) == other and util[other] < self.low)
+                    role_of(d) == TRAINING or (role_of(d) == other and util[other] < self.low)
                     for d in pair.down
                 )
                 if ok:
@@ -365,6 +379,8 @@ def make_strategy(cfg: PlannerConfig) -> Strategy:
     """The planner strategy named by `planner.strategy`."""
     if cfg.strategy == "pivot":
         return PivotStrategy(cfg)
+    if cfg.strategy == "pivot+":
+        return PivotStrategy(cfg, name="pivot+", reprefill=True)
     if cfg.strategy == "vanilla":
         return PivotStrategy(cfg, name="vanilla", migration=False)
     if cfg.strategy == "static":
@@ -372,5 +388,5 @@ def make_strategy(cfg: PlannerConfig) -> Strategy:
     if cfg.strategy == "rule":
         return RuleStrategy(cfg)
     raise ValueError(
-        f"planner.strategy={cfg.strategy!r} is unknown; valid: pivot, static, rule, vanilla"
+        f"planner.strategy={cfg.strategy!r} is unknown; valid: pivot, pivot+, static, rule, vanilla"
     )

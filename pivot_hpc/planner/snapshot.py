@@ -2,11 +2,14 @@
 
 Topology (from the config, fixed for a run): GPUs grouped in nodes; each inference role
 has replica *slots* of `tp` aligned GPUs on one node (slot s = GPUs [s·tp, (s+1)·tp)),
-restricted to the GPUs the role may use; training owns one fixed GPU set.
+restricted to the GPUs the role may use; training owns one fixed GPU set. With elastic
+training (beyond the paper) training also has extension slots: data-parallel replicas of
+`training_tp` aligned GPUs outside its set that it may grow onto between steps.
 
 Snapshot (from the monitor, each planning round): the active replicas of rollout and
 reward with their scheduler states, and the training state. Replica ids are
-"<role>:<slot>"; training is the single id "training".
+"<role>:<slot>"; training's own set is the single id "training", its extensions
+"training:<slot>".
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ def role_of(rid: str) -> str:
     return TRAINING if rid == TRAINING else rid.split(":", 1)[0]
 
 
+def is_extension(rid: str) -> bool:
+    """A data-parallel extension of training ("training:<slot>", elastic training)."""
+    return rid.startswith(TRAINING + ":")
+
+
 def slot_of(rid: str) -> int:
     return int(rid.split(":", 1)[1])
 
@@ -47,6 +55,7 @@ class RoleSpec:
     kv_capacity: int
     model: ReplicaModel
     slots: Mapping[int, tuple[int, ...]]  # slot index -> GPU ids (only allowed slots)
+    prefill_s_per_token: float = 0.0  # re-prefill cost of a migrated sequence's context
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,9 @@ class Topology:
     roles: Mapping[str, RoleSpec]
     training_gpus: tuple[int, ...]
     shift_time: ShiftTimes = field(default_factory=ShiftTimes)
+    training_tp: int = 1  # GPUs of one data-parallel replica of training
+    # elastic training: extension slot -> its GPUs (empty: training is "0 or N")
+    elastic: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, spec in self.roles.items():
@@ -72,6 +84,10 @@ class Topology:
             raise SnapshotError(f"training GPUs {self.training_gpus} are not a set")
         if any(not 0 <= g < self.num_gpus for g in self.training_gpus):
             raise SnapshotError(f"training GPUs {self.training_gpus} outside the cluster")
+        base = set(self.training_gpus)
+        for s, gpus in self.elastic.items():
+            if len(gpus) != self.training_tp or base & set(gpus):
+                raise SnapshotError(f"training extension {s}: GPUs {gpus} overlap training's")
 
     @classmethod
     def build(
@@ -85,6 +101,9 @@ class Topology:
         training_gpus: tuple[int, ...] | list[int],
         allowed: Mapping[str, list[int] | None] | None = None,
         shift_time: ShiftTimes | None = None,
+        training_tp: int = 1,
+        elastic: bool = False,
+        prefill_s_per_token: Mapping[str, float] | None = None,
     ) -> Topology:
         roles = {}
         for name in INFERENCE_ROLES:
@@ -101,19 +120,41 @@ class Topology:
                 for s in range(num_gpus // t)
                 if set(range(s * t, (s + 1) * t)) <= ok
             }
-            roles[name] = RoleSpec(name, t, kv_capacity[name], models[name], slots)
+            prefill = (prefill_s_per_token or {}).get(name, 0.0)
+            roles[name] = RoleSpec(name, t, kv_capacity[name], models[name], slots, prefill)
+        base = set(training_gpus)
+        if training_tp < 1 or gpus_per_node % training_tp:
+            raise SnapshotError(
+                f"training tp={training_tp} must divide gpus_per_node={gpus_per_node}"
+            )
+        extensions = {}
+        if elastic:  # every aligned group of training_tp GPUs that training does not own
+            for s in range(num_gpus // training_tp):
+                gpus = tuple(range(s * training_tp, (s + 1) * training_tp))
+                if not base & set(gpus):
+                    extensions[s] = gpus
         return cls(
             num_gpus=num_gpus,
             gpus_per_node=gpus_per_node,
             roles=roles,
             training_gpus=tuple(sorted(training_gpus)),
             shift_time=shift_time or ShiftTimes(),
+            training_tp=training_tp,
+            elastic=extensions,
         )
 
     def gpus_of(self, rid: str) -> tuple[int, ...]:
         role = role_of(rid)
-        if role == TRAINING:
+        if rid == TRAINING:
             return self.training_gpus
+        if role == TRAINING:
+            try:
+                return self.elastic[slot_of(rid)]
+            except (KeyError, ValueError):
+                raise SnapshotError(
+                    f"replica {rid!r} is not a training extension of this topology "
+                    "(planner.elastic_training off, or the slot overlaps training's GPUs)"
+                ) from None
         spec = self.roles.get(role)
         if spec is None:
             raise SnapshotError(f"replica {rid!r}: unknown role {role!r}")
@@ -130,15 +171,21 @@ class Topology:
 
 @dataclass
 class TrainingState:
-    """Training shifts as a whole: it holds its GPU set (`active`) or none."""
+    """Training shifts as a whole: it holds its GPU set (`active`) or none. With elastic
+    training, `extensions` are the data-parallel replicas it holds beyond its set; every
+    one of them takes part in each step."""
 
     active: bool = False  # holds its GPUs (context loaded)
     busy: bool = False  # running a training step; cannot shift down
     batch_ready: bool = False  # the next batch is ready within the staleness bound
+    extensions: set[str] = field(default_factory=set)  # "training:<slot>" held
 
     def validate(self) -> None:
         if self.busy and not self.active:
             raise SnapshotError("training is busy but does not hold its GPUs (active=False)")
+
+    def holds(self, rid: str) -> bool:
+        return self.active if rid == TRAINING else rid in self.extensions
 
 
 @dataclass
@@ -169,11 +216,12 @@ class Snapshot:
                             "a GPU serves one replica of one role at a time"
                         )
                     occupancy[g] = rid
-        if self.training.active:
-            for g in self.topology.training_gpus:
+        held = [TRAINING] if self.training.active else []
+        for rid in [*held, *sorted(self.training.extensions)]:
+            for g in self.topology.gpus_of(rid):
                 if g in occupancy:
-                    raise SnapshotError(f"GPU {g} is held by both {occupancy[g]!r} and training")
-                occupancy[g] = TRAINING
+                    raise SnapshotError(f"GPU {g} is held by both {occupancy[g]!r} and {rid!r}")
+                occupancy[g] = rid
         return occupancy
 
     def n_seq(self, role: str) -> int:

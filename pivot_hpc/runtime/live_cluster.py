@@ -150,7 +150,9 @@ class LiveCluster:
     def update_weights(self, rid: str, version: int) -> None:
         self._send(self._leader(rid), msg.UpdateWeights(version))
 
-    def train(self, step: int, samples: Sequence[Sample]) -> None:
+    def train(self, step: int, samples: Sequence[Sample], extensions: Sequence[str] = ()) -> None:
+        if extensions:  # (refused before launch: check_live_config)
+            raise RuntimeError("the live runtime does not train on elastic extensions yet")
         batch = self.samples.batch(list(samples))
         for r in self.training_ranks:
             self._send(r, msg.Train(step, batch))

@@ -114,6 +114,7 @@ class MigrationResult:
     from_queue: int = 0
     throughput_before: float = 0.0
     throughput_after: float = 0.0
+    moved_tokens: int = 0  # context of the running sequences aborted (their re-prefill)
     abort_s: float = 0.0
     dispatch_s: float = 0.0
     migrate_s: float = 0.0
@@ -166,6 +167,7 @@ class Scheduler:
             )
         self.priority_key: PriorityKey = PRIORITIES[priority]
         self.migration = migration
+        self.replica_limit = 0  # running sequences per replica on top of the engine's cap
         # replicas, by position p (never reused: p is also the tie-breaking order)
         self.replicas: dict[str, int] = {}  # active replica id -> p
         self._rid_of: list[str] = []
@@ -552,6 +554,16 @@ class Scheduler:
         self._enqueue_many(qs)
         return qs
 
+    def _caps(self, m: int) -> np.ndarray:
+        """Running-request cap per replica: the engine's, and `replica_limit` when set
+        (scheduler/admission.py)."""
+        lim = self.replica_limit
+        if not lim:
+            return self.nmax[:m]
+        caps = self.nmax[:m].copy()
+        caps[(caps == 0) | (caps > lim)] = lim
+        return caps
+
     def _candidates(self, targets: Iterable[str] | None) -> np.ndarray:
         """Positions a dispatch may choose from, ascending (the tie-breaking order)."""
         if targets is None:
@@ -575,7 +587,7 @@ class Scheduler:
             self.n[:m],
             self.tok[:m],
             self.cap[:m],
-            self.nmax[:m],
+            self._caps(m),
             self.kind[:m],
             self.A[:m],
             self.B[:m],
@@ -590,7 +602,7 @@ class Scheduler:
         if record:
             rep, ids, rid_of = self.seq_rep, self.seq_id, self._rid_of
             out = [(int(ids[q]), rid_of[rep[q]]) for q in order[:placed]]
-        self._qpos = order[placed:]
+        self._qpos = self._qpos[placed:]
         self._qkey = self._qkey[placed:]
         self._n_running += placed
         return out
@@ -605,6 +617,7 @@ class Scheduler:
         t0 = time.perf_counter()
         if rids:
             ps = [self.replicas[rid] for rid in rids]
+            res.moved_tokens = int(self.tok[ps].sum())
             if record:
                 rep = self.seq_rep[: len(self._seqs)]
                 res.aborted = [
@@ -691,7 +704,7 @@ class Scheduler:
             self.n[:m],
             self.tok[:m],
             self.cap[:m],
-            self.nmax[:m],
+            self._caps(m),
             self.kind[:m],
             self.A[:m],
             self.B[:m],
@@ -706,6 +719,7 @@ class Scheduler:
         res.migrations += moves
         if moves:
             self._run_order = None
+            res.moved_tokens += int(self.seq_len[out_q[:moves]].sum())
         if record and moves:
             ids, rid_of = self.seq_id, self._rid_of
             res.aborted.extend(
@@ -723,6 +737,7 @@ class Scheduler:
         self._flush()
         c = Scheduler.__new__(Scheduler)
         c.role, c.priority_key, c.migration = self.role, self.priority_key, self.migration
+        c.replica_limit = self.replica_limit
         c.replicas = dict(self.replicas)
         c._rid_of = list(self._rid_of)
         c._model_of = list(self._model_of)

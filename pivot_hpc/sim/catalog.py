@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -439,24 +440,67 @@ class TrainingTerms:
 
 @dataclass(frozen=True)
 class TrainingCosts:
-    gpus: int
+    """A training step's seconds and training's shift phases.
+
+    A step at g GPUs (data parallel over g/tp replicas): the FLOPs of every pass at the
+    achieved per-GPU rate, plus the gradient all-reduce across replicas (ring: 2(d−1)/d of
+    the bf16 gradient shard per GPU, over NVLink within a node, else InfiniBand; not
+    overlapped with the backward pass, which veRL's default does not do either), plus the
+    GPS Write of the new policy. It is also the planner's training-time model in the
+    simulator (the `TrainingTime` protocol: exact, nothing to observe), as the fitted A–D
+    are for inference.
+    """
+
+    gpus: int  # the training set (every step runs at least on these)
+    tp: int
     flops_per_token: float  # linear-layer FLOPs of every pass per trained token
     attn_flops_per_token2: float  # causal-attention FLOPs per (sequence length)² of every pass
-    flops_per_s: float  # the training GPUs' achieved FLOP/s (peak × MFU)
+    flops_per_s_per_gpu: float  # one GPU's achieved FLOP/s (peak × MFU)
+    grad_bytes_per_gpu: float  # bf16 gradient shard one GPU all-reduces
+    gpus_per_node: int
+    link_gb_s: tuple[float, float]  # all-reduce bandwidth: (within a node, across nodes)
     shift_up_s: dict[str, float]
     shift_down_s: dict[str, float]
+    # an elastic extension (one data-parallel replica beyond the set): up = GPS Read of
+    # the parameters and of its optimizer shard, after the set wrote that state; down =
+    # discard (the set keeps the state)
+    extension_up_s: dict[str, float]
+    extension_down_s: dict[str, float]
     publish_s: float  # GPS Write of the new policy (not overlapped in the simulator)
+
+    @property
+    def flops_per_s(self) -> float:
+        """The training set's achieved FLOP/s."""
+        return self.flops_per_s_per_gpu * self.gpus
 
     def gpu_s_per_token_at(self, length: float) -> float:
         """GPU-seconds per trained token of a sequence of `length` tokens (bounds)."""
-        per_gpu = self.flops_per_s / self.gpus
-        return (self.flops_per_token + self.attn_flops_per_token2 * length) / per_gpu
+        return (self.flops_per_token + self.attn_flops_per_token2 * length) / (
+            self.flops_per_s_per_gpu
+        )
 
-    def step_time(self, lengths: list[int] | np.ndarray) -> float:
-        """Seconds for one step over sequences of these lengths (prompt + response)."""
+    def allreduce_s(self, gpus: int) -> float:
+        dp = max(1, gpus // self.tp)
+        if dp == 1:
+            return 0.0
+        within, across = self.link_gb_s
+        bw = (within if gpus <= self.gpus_per_node else across) * 1e9
+        return 2.0 * (dp - 1) / dp * self.grad_bytes_per_gpu / bw
+
+    def step_time(self, lengths: Sequence[int] | np.ndarray, gpus: int | None = None) -> float:
+        """Seconds for one step over sequences of these lengths (prompt + response) on
+        `gpus` GPUs (default: the training set)."""
+        g = self.gpus if gpus is None else gpus
         x = np.asarray(lengths, dtype=float)
         flops = self.flops_per_token * x.sum() + self.attn_flops_per_token2 * (x * x).sum()
-        return flops / self.flops_per_s + self.publish_s
+        return flops / (self.flops_per_s_per_gpu * g) + self.allreduce_s(g) + self.publish_s
+
+    # the coordinator's TrainingTime protocol (coordinator/monitor.py)
+    def ready(self) -> bool:
+        return True
+
+    def observe(self, lengths: Sequence[int], gpus: int, seconds: float) -> None:
+        pass  # the simulated step follows this model exactly
 
 
 def _mfu(model: ModelSpec, cal: Calibration) -> float:
@@ -490,7 +534,7 @@ def training_costs(
     q_dim = model.heads * model.head_dim
     # causal attention forward: QK^T and AV, 2·L²·q_dim FLOPs per attention layer in all
     attn = 2.0 * model.kv_attention_layers * q_dim
-    rate = hw.bf16_tflops * 1e12 * gpus * _mfu(model, cal)
+    rate = hw.bf16_tflops * 1e12 * _mfu(model, cal)
     on_node = min(gpus, gpus_per_node)
     tp = max(1, min(tp, gpus))
     weights_node = model.weight_bytes / tp * on_node  # each GPU reads its TP shard
@@ -498,15 +542,28 @@ def training_costs(
     host = s.train_host_gb_s.value * 1e9
     pcie, ib = hw.pcie_gb_s * 1e9, hw.ib_gb_s * 1e9
     write = max(model.weight_bytes / tp / pcie, model.weight_bytes / ib)
+    # an extension replica (tp GPUs): its weight shards, then its optimizer shard at the
+    # set's layout, which the set first writes to GPS (the set's own share of a node)
+    ext_weights = model.weight_bytes
+    ext_optimizer = model.params * OPTIMIZER_BYTES_PER_PARAM * tp / gpus
     return TrainingCosts(
         gpus=gpus,
+        tp=tp,
         flops_per_token=2.0 * model.active_params * passes,
         attn_flops_per_token2=attn * passes,
-        flops_per_s=rate,
+        flops_per_s_per_gpu=rate,
+        grad_bytes_per_gpu=model.params * 2.0 / tp,
+        gpus_per_node=gpus_per_node,
+        link_gb_s=(hw.nvlink_gb_s, hw.ib_gb_s),
         shift_up_s={
             "read_s": weights_node / host,
             "reload_s": optimizer_node / host + s.train_start_s.value,
         },
         shift_down_s={"offload_s": optimizer_node / host, "discard_s": s.train_stop_s.value},
+        extension_up_s={
+            "read_s": ext_weights / host,
+            "reload_s": (optimizer_node + ext_optimizer) / host + s.train_start_s.value,
+        },
+        extension_down_s={"discard_s": s.train_stop_s.value},
         publish_s=write,
     )

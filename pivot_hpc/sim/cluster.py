@@ -173,6 +173,8 @@ class SimCluster:
     def shift_up(self, rid: str, version: int) -> None:
         if rid == TRAINING:
             phases = dict(self.training.shift_up_s)
+        elif role_of(rid) == TRAINING:  # an elastic extension
+            phases = dict(self.training.extension_up_s)
         else:
             role = role_of(rid)
             costs = self.inference[role]
@@ -183,6 +185,8 @@ class SimCluster:
     def shift_down(self, rid: str) -> None:
         if rid == TRAINING:
             phases = dict(self.training.shift_down_s)
+        elif role_of(rid) == TRAINING:
+            phases = dict(self.training.extension_down_s)
         else:
             r = self._replicas.pop(rid)
             if r.seqs or r.waiting:
@@ -332,9 +336,10 @@ class SimCluster:
         self._push(r.busy_until, WEIGHTS, rid, 0, version)
         self._schedule(r)
 
-    def train(self, step: int, samples: Sequence[Sample]) -> None:
-        duration = self.training.step_time([s.prompt_len + s.response_len for s in samples])
-        self._push(self.t + duration, TRAIN, TRAINING, step, None)
+    def train(self, step: int, samples: Sequence[Sample], extensions: Sequence[str] = ()) -> None:
+        gpus = self.training.gpus + self.training.tp * len(extensions)
+        lengths = [s.prompt_len + s.response_len for s in samples]
+        self._push(self.t + self.training.step_time(lengths, gpus), TRAIN, TRAINING, step, None)
 
     def prefill_time(self, role: str, tokens: int) -> float:
         return self.inference[role].prefill_s_per_token * tokens

@@ -68,6 +68,8 @@ def build(
         cfg,
         models={r: c.model for r, c in costs.items()},
         kv_capacity={r: c.kv_capacity_tokens for r, c in costs.items()},
+        training_tp=cfg.sim.training_tp,
+        prefill_s_per_token={r: c.prefill_s_per_token for r, c in costs.items()},
     )
     terms = TrainingTerms(
         recompute_old_logprobs=cfg.sim.recompute_old_logprobs or cfg.rl.grpo.recompute_old_logprobs,
@@ -89,7 +91,14 @@ def build(
         seed=cfg.sim.seed,
     )
     rl = builder.rl_state(cfg, SimWorkload(cfg.sim.workload, cfg.sim.seed))
-    coord = builder.build(cfg, cluster=cluster, topology=topology, rl=rl, rewarder=sim_rewarder)
+    coord = builder.build(
+        cfg,
+        cluster=cluster,
+        topology=topology,
+        rl=rl,
+        rewarder=sim_rewarder,
+        training_time=train_costs,
+    )
     meta = builder.run_meta(
         cfg,
         rl,

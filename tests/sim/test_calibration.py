@@ -154,7 +154,16 @@ def test_training_cost_by_terms() -> None:
     assert full.flops_per_token == pytest.approx(12 * q7.params)
     assert base.flops_per_s == pytest.approx(148e12 * 8 * 0.30)
     # attention grows with the square of the sequence length
-    assert base.step_time([4000]) - base.publish_s > 2 * (base.step_time([2000]) - base.publish_s)
+    fixed = base.publish_s + base.allreduce_s(8)
+    assert base.step_time([4000]) - fixed > 2 * (base.step_time([2000]) - fixed)
+    # data parallelism: twice the GPUs halve the compute, the all-reduce grows towards
+    # twice the gradient shard over the link (8 GPUs: one node's NVLink; 16: InfiniBand)
+    compute = base.step_time([4000] * 64) - fixed
+    assert base.step_time([4000] * 64, 16) - base.publish_s - base.allreduce_s(16) == (
+        pytest.approx(compute / 2)
+    )
+    assert base.allreduce_s(1 * base.tp) == 0.0
+    assert base.allreduce_s(16) == pytest.approx(2 * 15 / 16 * q7.params * 2 / 50e9)
 
 
 def test_calibration_cli_prints_table_and_json() -> None:

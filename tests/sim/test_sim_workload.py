@@ -139,6 +139,7 @@ def test_simulate_reports_steady_and_bound_for_every_mode() -> None:
 GROUP4 = Path(__file__).resolve().parents[2] / "configs/sim/group4-qwen72b-qwen122b.yaml"
 
 
+@pytest.mark.slow  # a scale test (13 s on 2 cores)
 def test_4096_gpus_start_shift_and_stop_in_a_few_simulated_seconds() -> None:
     """Group 4 scaled to 4096 GPUs: the whole brain runs at that scale (the full timing is
     `pivot-hpc bench sim --gpus 4096 --steps 2`)."""

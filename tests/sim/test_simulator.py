@@ -45,18 +45,28 @@ MODES = [
     ("disaggregated", "pivot"),
     ("rr_colocated", "pivot"),
     ("pivot", "pivot"),
+    ("pivot", "pivot+"),
     ("pivot", "static"),
     ("pivot", "rule"),
     ("pivot", "vanilla"),
 ]
+# beyond the paper: elastic training and pipeline admission, on together and apart
+OPTIONS = {
+    "paper": [],
+    "elastic": ["planner.elastic_training=true"],
+    "elastic+pipeline": ["planner.elastic_training=true", "scheduler.admission=pipeline"],
+}
 
 
+@pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("late", [0.0, 0.3], ids=["exact", "late-finishes"])
 @pytest.mark.parametrize(("mode", "strategy"), MODES)
-def test_every_mode_completes_with_conservation(mode: str, strategy: str, late: float) -> None:
+def test_every_mode_completes_with_conservation(
+    mode: str, strategy: str, late: float, options: str
+) -> None:
     """`late`: that share of aborted sequences finishes just before its abort arrives (a
     live engine's race), so the coordinator's late-abort path runs on every shift kind."""
-    cfg = tiny(mode, f"planner.strategy={strategy}")
+    cfg = tiny(mode, f"planner.strategy={strategy}", *OPTIONS[options])
     coord, cluster, _ = build(cfg, late_finish_share=late)
     trained: list[int] = []
     coord.on_step = lambda step, m: trained.append(step)
@@ -77,6 +87,27 @@ def test_every_mode_completes_with_conservation(mode: str, strategy: str, late: 
     if mode == "pivot" and strategy == "pivot":
         assert coord.stats.shifts_up > 0
         assert (cluster.late_finishes > 0) == (late > 0)
+    assert not coord.training.extensions or coord.topology.elastic  # only where elastic
+
+
+def test_elastic_training_grows_and_trains_faster() -> None:
+    """Training-bound (a long step on 4 GPUs, inference short): before each step training
+    takes the GPUs inference leaves idle, trains data parallel on them (the simulated step
+    shrinks with the GPUs) and gives them back; the run ends sooner than without."""
+    heavy = ["sim.policy_model=qwen2.5-7b", "loop.batch_prompts=24"]
+    seen: list[tuple[str, int]] = []
+    coord, cluster, _ = build(tiny("pivot", *heavy, "planner.elastic_training=true"))
+    train = cluster.train
+    cluster.train = lambda step, samples, ext=(): (
+        seen.append((step, len(ext))),
+        train(step, samples, ext),
+    )[-1]
+    coord.run()
+    assert max(n for _, n in seen) > 0, seen  # some step ran on extensions
+    assert coord.rl.version == 3 and not coord.samples
+    plain, _, _ = build(tiny("pivot", *heavy))
+    plain.run()
+    assert coord.cluster.now() < plain.cluster.now()
 
 
 def test_deterministic_for_a_seed() -> None:
@@ -110,11 +141,17 @@ def test_replica_advances_by_the_throughput_model() -> None:
     )
     train = TrainingCosts(
         gpus=1,
+        tp=1,
         flops_per_token=0.0,
         attn_flops_per_token2=0.0,
-        flops_per_s=1.0,
+        flops_per_s_per_gpu=1.0,
+        grad_bytes_per_gpu=0.0,
+        gpus_per_node=8,
+        link_gb_s=(900.0, 50.0),
         shift_up_s={},
         shift_down_s={},
+        extension_up_s={},
+        extension_down_s={},
         publish_s=0.0,
     )
     sim = SimCluster(inference={"rollout": costs, "reward": costs}, training=train)

@@ -54,7 +54,9 @@ def test_unknown_override_key_names_level() -> None:
 def test_wrong_type_and_choice() -> None:
     with pytest.raises(ConfigError, match="'planner.horizon_s': expected a number"):
         load_config(None, ["planner.horizon_s=soon"])
-    with pytest.raises(ConfigError, match="valid choices: 'pivot', 'static', 'rule', 'vanilla'"):
+    with pytest.raises(
+        ConfigError, match="valid choices: 'pivot', 'pivot\\+', 'static', 'rule', 'vanilla'"
+    ):
         load_config(None, ["planner.strategy=magic"])
     with pytest.raises(ConfigError, match="expected an integer"):
         load_config(None, ["cluster.nodes=1.5"])

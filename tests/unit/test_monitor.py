@@ -77,12 +77,14 @@ MODEL = ThroughputModel(A=1e-6, B=5e-3, C=2e-4, D=1e-3)
     tau=st.floats(0.001, 30.0),
     horizon=st.floats(0.0, 300.0),
     seed=st.integers(0, 1000),
+    plus=st.booleans(),
 )
 def test_planner_never_shifts_at_a_loss_on_measured_cost(
-    n_rollout, n_reward, queued_rollout, queued_reward, tau, horizon, seed
+    n_rollout, n_reward, queued_rollout, queued_reward, tau, horizon, seed, plus
 ) -> None:
     """Whatever the snapshot, a plan the pivot strategy makes has a benefit that covers
-    its penalty at the (measured) τ_shift of the topology it was given."""
+    its penalty at the (measured) τ_shift of the topology it was given; pivot+'s penalty
+    adds the re-prefill of what it migrates on top of that."""
     rng = np.random.default_rng(seed)
     topo = Topology.build(
         num_gpus=16,
@@ -92,6 +94,7 @@ def test_planner_never_shifts_at_a_loss_on_measured_cost(
         models={"rollout": MODEL, "reward": MODEL},
         training_gpus=[14, 15],
         shift_time=ShiftTimes(rollout=tau, reward=tau, training=tau),
+        prefill_s_per_token={"rollout": 1e-4, "reward": 1e-4},
     )
     scheds = {r: Scheduler(r) for r in ("rollout", "reward")}
     for g in range(n_rollout):
@@ -105,11 +108,15 @@ def test_planner_never_shifts_at_a_loss_on_measured_cost(
             sid += 1
         scheds[role].dispatch()
     snap = Snapshot(topo, scheds, TrainingState(active=True, busy=True, batch_ready=False))
-    plan = PivotStrategy(PlannerConfig(horizon_s=horizon)).plan(snap)
+    strategy = PivotStrategy(PlannerConfig(horizon_s=horizon), reprefill=plus)
+    plan = strategy.plan(snap)
     if plan.is_noop:
         return
     phi = penalty(snap, plan.down)
     gain = horizon * (plan.throughput_expected - plan.throughput_current)
-    assert abs(plan.penalty - phi) <= 1e-9 * max(1.0, phi)
-    assert gain > phi  # the benefit covers the measured cost
+    if plus:
+        assert plan.penalty >= phi - 1e-9 * max(1.0, phi)
+    else:
+        assert abs(plan.penalty - phi) <= 1e-9 * max(1.0, phi)
+    assert gain > plan.penalty  # the benefit covers the measured cost
     assert plan.benefit > 0

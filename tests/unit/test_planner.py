@@ -205,7 +205,7 @@ def test_bad_snapshots_raise_clear_errors() -> None:
         Snapshot(topo, {"rollout": ro, "reward": rm}).validate()
     ro2 = Scheduler("rollout")
     ro2.add_replica("rollout:25", 10, ROLLOUT_MODEL)
-    with pytest.raises(SnapshotError, match="held by both 'rollout:25' and training"):
+    with pytest.raises(SnapshotError, match="held by both 'rollout:25' and 'training'"):
         Snapshot(
             topo, {"rollout": ro2, "reward": Scheduler("reward")}, TrainingState(active=True)
         ).validate()

@@ -1,0 +1,158 @@
+"""`pivot-hpc bench groups [--admission all|pipeline] --json`: Figures 9, 11 and 14 from
+the simulator, side by side.
+
+Simulates each paper model group (`configs/sim/group*.yaml`, or --configs) in every static
+mode (colocated, disaggregated, rr_colocated) and in pivot mode with each planner strategy
+(--strategies: the paper's `pivot`, our `pivot+`, the §8.4 ablations static, rule,
+vanilla), with and without elastic training for pivot and pivot+ (`+elastic`), and — with
+--horizons — pivot+ elastic over several H (Figure 14). Every run of one invocation uses
+the same `scheduler.admission` and overrides, so the ratios compare planners, not
+settings. The simulator is deterministic for a seed: the numbers are simulated throughput,
+not timings of this machine.
+
+JSON keys (a contract): `groups` → config stem → {`runs` → label → {`tokens_per_s`,
+`tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`},
+`best_static` (label), `ratios` → pivot label → {`over_disaggregated`, `over_colocated`,
+`over_best_static`} (steady-state throughput ratios)}; also `admission`, `steps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from pivot_hpc.bench.stats import table
+
+ROOT = Path(__file__).resolve().parents[2]
+STATIC = ("colocated", "disaggregated", "rr_colocated")
+STRATEGIES = ("pivot", "pivot+", "static", "rule", "vanilla")
+ELASTIC = ("pivot", "pivot+")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--configs",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="sim configs (default: configs/sim/group*.yaml)",
+    )
+    p.add_argument("--admission", default="pipeline", choices=["all", "pipeline"])
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
+    p.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help=f"pivot-mode strategies, comma-separated (default {','.join(STRATEGIES)})",
+    )
+    p.add_argument("--horizons", default="", help="H values for pivot+ +elastic, e.g. 10,60,600")
+    p.add_argument("--jobs", type=int, default=1, help="simulations run in parallel")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
+
+
+def _label(mode: str, strategy: str, elastic: bool, horizon: float | None) -> str:
+    name = mode if mode != "pivot" else strategy
+    if elastic:
+        name += "/elastic"
+    if horizon is not None:
+        name += f"@H={horizon:g}"
+    return name
+
+
+def _one(job: tuple[str, list[str]]) -> dict:
+    from pivot_hpc.config import load_config, validate_tree
+    from pivot_hpc.sim.run import simulate
+
+    config, overrides = job
+    cfg = load_config(config, overrides)
+    validate_tree(cfg)
+    s = simulate(cfg, None, progress=False)
+    bound = s["tokens_per_s_bound"]
+    return {
+        "tokens_per_s": s["tokens_per_s"],
+        "tokens_per_s_steady": s["tokens_per_s_steady"],
+        "tokens_per_s_bound": bound,
+        "steady_over_bound": s["tokens_per_s_steady"] / bound if bound else 0.0,
+        "shifts": s["shifts"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    from pivot_hpc.errors import UsageError
+
+    configs = args.configs or sorted((ROOT / "configs/sim").glob("group*.yaml"))
+    for c in configs:
+        if not Path(c).is_file():
+            raise UsageError(f"--configs {c}: no such file")
+    strategies = [s for s in args.strategies.split(",") if s]
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad:
+        raise UsageError(f"--strategies {','.join(bad)}: choose from {', '.join(STRATEGIES)}")
+    try:
+        horizons = [float(h) for h in args.horizons.split(",") if h]
+    except ValueError:
+        raise UsageError(f"--horizons {args.horizons}: comma-separated seconds") from None
+    common = [f"scheduler.admission={args.admission}", *args.overrides]
+    if args.steps is not None:
+        common.append(f"loop.steps={args.steps}")
+    variants: list[tuple[str, str, bool, float | None]] = [
+        (m, "pivot", False, None) for m in STATIC
+    ]
+    variants += [("pivot", s, False, None) for s in strategies]
+    variants += [("pivot", s, True, None) for s in strategies if s in ELASTIC]
+    variants += [("pivot", "pivot+", True, h) for h in horizons]
+    jobs, keys = [], []
+    for c in configs:
+        for mode, strategy, elastic, horizon in variants:
+            over = [
+                *common,
+                f"deployment.mode={mode}",
+                f"planner.strategy={strategy}",
+                f"planner.elastic_training={str(elastic).lower()}",
+            ]
+            if horizon is not None:
+                over.append(f"planner.horizon_s={horizon}")
+            jobs.append((str(c), over))
+            keys.append((Path(c).stem, _label(mode, strategy, elastic, horizon)))
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(_one, jobs))
+    else:
+        results = [_one(j) for j in jobs]
+    groups: dict[str, dict] = {}
+    for (group, label), res in zip(keys, results, strict=True):
+        groups.setdefault(group, {"runs": {}})["runs"][label] = res
+    for g in groups.values():
+        runs = g["runs"]
+        steady = {k: v["tokens_per_s_steady"] for k, v in runs.items()}
+        best = max(STATIC, key=lambda m: steady[m])
+        g["best_static"] = best
+        g["ratios"] = {
+            k: {
+                "over_disaggregated": steady[k] / steady["disaggregated"],
+                "over_colocated": steady[k] / steady["colocated"],
+                "over_best_static": steady[k] / steady[best],
+            }
+            for k in runs
+            if k not in STATIC
+        }
+    out = {"groups": groups, "admission": args.admission, "steps": args.steps}
+    if not args.json:
+        for name, g in groups.items():
+            print(f"{name} (admission {args.admission}; best static: {g['best_static']})")
+            rows = [["run", "tok/s", "steady", "bound", "steady/bound", "shifts", "÷best static"]]
+            for k, v in g["runs"].items():
+                ratio = g["ratios"].get(k, {}).get("over_best_static")
+                rows.append(
+                    [
+                        k,
+                        f"{v['tokens_per_s']:.0f}",
+                        f"{v['tokens_per_s_steady']:.0f}",
+                        f"{v['tokens_per_s_bound']:.0f}",
+                        f"{v['steady_over_bound']:.2f}",
+                        str(v["shifts"]),
+                        "" if ratio is None else f"{ratio:.2f}",
+                    ]
+                )
+            print(table(rows))
+    return out

@@ -1,0 +1,205 @@
+"""Elastic training (beyond the paper; `planner.elastic_training`): on how many
+data-parallel replicas the next training step runs.
+
+The paper shifts training as a whole ("0 or N" GPUs, Table 4), so whenever training is the
+bottleneck no shift can help. Here, before each step, training may also hold extension
+slots (aligned groups of its tp GPUs outside its own set, `Topology.elastic`); every slot it
+holds takes part in the step, and slots go back to inference between steps (the inference
+planner sees an idle extension as an occupant with no throughput, like idle training).
+
+The decision minimises the makespan of the stage the pipeline is in — the time until both
+this training step and the inference work already released are done: the next batch is
+released only after the step (staleness bound), and its inference adds to what runs then.
+For a candidate that trains on d replicas:
+
+    t_d = S(d) + R·[d takes a new slot]   S: the step-time model for this batch at d; R: a
+                                          new slot's shift up (GPS Read of parameters and
+                                          optimizer state: training's τ_shift)
+    τ_d = W / T_d                         inference drain: W the released work (tokens:
+                                          each running or queued sequence at the mean
+                                          length its role's sequences finished with, a
+                                          rollout also at a judgement's), T_d the inference
+                                          tokens/s with the candidate's GPUs (taken slots:
+                                          the migration replay of the inference candidates;
+                                          slots given back: the same replay shifting up
+                                          the role further behind on them)
+    B_d = T_ref · (max(t_0, τ_0) − max(t_d, τ_d)) − φ_d
+
+with d_0 the replicas training holds now, φ_d the penalty of the occupants it shifts down
+(§7.2: τ_shift·T_i) and T_ref the tokens/s the cluster makes when it has work (the larger
+of Eq. 1's and what the run has measured), so that seconds and tokens are in one unit as
+in B = G − φ. An unbounded makespan (a role with work and no GPU) loses to any bounded
+one. The best positive B_d is executed; at B = 0 more replicas win (GPUs nobody can use
+are lent to training). Slots are taken in whole groups of what occupies them (an 8-GPU
+reward replica frees eight 1-GPU slots at one φ), cheapest per slot first; free GPUs and
+idle replicas cost nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pivot_hpc.planner.pairs import penalty
+from pivot_hpc.planner.plan import CandidateEval, PlannerTimings, ShiftPlan
+from pivot_hpc.planner.planner import _Simulator, current_throughput, latency_tau
+from pivot_hpc.planner.snapshot import (
+    INFERENCE_ROLES,
+    TRAINING,
+    Snapshot,
+    replica_id,
+    role_of,
+)
+
+
+@dataclass(frozen=True)
+class ElasticInputs:
+    """What the coordinator knows about the step about to run."""
+
+    step_time: Callable[[int], float] | None  # seconds of this batch's step on g GPUs
+    reshard_s: float  # a new extension's shift up (parameters + optimizer state from GPS)
+    work_tokens: float  # W: tokens inference still has to make (inf: unknown)
+    value_rate: float  # T_ref, tokens/s
+    unavailable: frozenset[int] = frozenset()  # GPUs in the middle of a shift
+
+
+def _groups(snap: Snapshot, occupancy: dict[int, str], inputs: ElasticInputs):
+    """Extension slots training does not hold, grouped by what occupies them: each group
+    (slots, occupants, φ) is taken whole; cheapest φ per slot first, then slot order."""
+    topo, held = snap.topology, snap.training.extensions
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    slots = []
+    for s, gpus in sorted(topo.elastic.items()):
+        rid = replica_id(TRAINING, s)
+        if rid in held or inputs.unavailable & set(gpus):
+            continue
+        occ = {occupancy[g] for g in gpus if g in occupancy}
+        if any(role_of(o) == TRAINING for o in occ):
+            continue  # (another extension's GPUs: not a slot of this layout)
+        slots.append(rid)
+        parent.setdefault(rid, rid)
+        for o in occ:
+            parent.setdefault(o, o)
+            a, b = find(rid), find(o)
+            if a != b:
+                parent[b] = a
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for rid in slots:
+        groups.setdefault(find(rid), ([], []))[0].append(rid)
+    for node in parent:
+        if role_of(node) != TRAINING:
+            groups[find(node)][1].append(node)
+    out = [(ups, sorted(downs), penalty(snap, downs)) for ups, downs in groups.values()]
+    out.sort(key=lambda g: (g[2] / len(g[0]), g[0][0]))
+    return out
+
+
+def _inference_rate(snap: Snapshot, sim: _Simulator, up: list[str], down: list[str]) -> float:
+    """Inference tokens/s (rollout + reward) after `down` shifts down and `up` up, by the
+    migration replay the inference candidates use."""
+    return sum(sim.role_throughput(r, up, down) for r in INFERENCE_ROLES)
+
+
+def _given_back(snap: Snapshot, gpus: set[int]) -> list[str]:
+    """The inference slots GPUs training gives back would serve: those of the role that
+    is further behind (larger τ = N/T, §7.1 step 1) that fit in the freed GPUs."""
+    tau = {r: latency_tau(snap.n_seq(r), snap.throughput(r)) for r in INFERENCE_ROLES}
+    if tau["rollout"] == 0 and tau["reward"] == 0:
+        return []
+    role = "rollout" if tau["rollout"] > tau["reward"] else "reward"
+    spec = snap.topology.roles[role]
+    return [replica_id(role, s) for s, g in sorted(spec.slots.items()) if set(g) <= gpus]
+
+
+def elastic_plan(
+    snap: Snapshot, inputs: ElasticInputs, *, strategy: str, migration: bool = True
+) -> ShiftPlan | None:
+    """The data-parallel size of the next step as a shift plan (None: keep what it holds)."""
+    tr = snap.training
+    if inputs.step_time is None or not tr.active or tr.busy:
+        return None
+    t_start = time.perf_counter()
+    occupancy = snap.validate()
+    topo = snap.topology
+    tp = topo.training_tp
+    base = len(topo.training_gpus) // tp
+    held = sorted(tr.extensions)
+    d0 = base + len(held)
+    sim = _Simulator(snap, migration)
+    t_cur = current_throughput(snap)
+    t_ref = max(inputs.value_rate, t_cur)
+    rate0 = _inference_rate(snap, sim, [], [])
+
+    # (k replicas, up, down, φ, inference tokens/s meanwhile, takes a new slot)
+    options: list[tuple[int, list[str], list[str], float, float, bool]] = []
+    # shrink: the last held extensions go back to the inference role further behind
+    for keep in range(len(held)):
+        back = held[keep:]
+        given = _given_back(snap, {g for rid in back for g in topo.gpus_of(rid)})
+        rate = _inference_rate(snap, sim, given, []) if given else rate0
+        options.append((base + keep, [], back, 0.0, rate, False))
+    # grow: whole groups of slots, cheapest first
+    ups: list[str] = []
+    downs: list[str] = []
+    phi = 0.0
+    for group_ups, group_downs, group_phi in _groups(snap, occupancy, inputs):
+        ups, downs, phi = ups + group_ups, downs + group_downs, phi + group_phi
+        rate = _inference_rate(snap, sim, [], downs) if downs else rate0
+        options.append((d0 + len(ups), list(ups), list(downs), phi, rate, True))
+    # Inference work a candidate leaves without a GPU waits for the step to end and then
+    # runs at the rate it has with every held extension given back.
+    rate_after = options[0][4] if held else rate0
+
+    def span(replicas: int, new: bool, rate: float) -> float:
+        t_train = inputs.step_time(replicas * tp) + (inputs.reshard_s if new else 0.0)
+        w = inputs.work_tokens
+        if w <= 0:
+            return t_train
+        if rate > 0:
+            return max(t_train, w / rate)
+        return t_train + w / rate_after if rate_after > 0 else math.inf
+
+    now = span(d0, False, rate0)
+    spans = [span(k, new, rate) for k, _, _, _, rate, new in options]
+    bounded = [x for x in spans if math.isfinite(x)]
+    # an unbounded stage today (work and no GPU for it): any bounded one is better, the
+    # shorter the more, as if today's lasted as long as the longest bounded candidate
+    ref = now if math.isfinite(now) else max(bounded, default=0.0)
+    evals = [
+        CandidateEval(
+            k,
+            up,
+            down,
+            phi_k,
+            rate,
+            t_ref * (ref - then) - phi_k if math.isfinite(then) else -math.inf,
+        )
+        for (k, up, down, phi_k, rate, _), then in zip(options, spans, strict=True)
+    ]
+    timings = PlannerTimings(simulate_s=time.perf_counter() - t_start)
+    best = max(evals, key=lambda e: (e.benefit, e.k), default=None)
+    if best is None or best.benefit < 0 or (best.benefit == 0 and best.k <= d0):
+        if not (best is not None and math.isinf(now) and math.isfinite(best.benefit)):
+            return None
+    return ShiftPlan(
+        strategy=strategy,
+        up_role=TRAINING,
+        up=best.up,
+        down=best.down,
+        penalty=best.penalty,
+        benefit=best.benefit,
+        throughput_current=t_cur,
+        throughput_expected=t_cur,
+        reason=f"elastic training: {d0} → {best.k} data-parallel replicas",
+        timings=timings,
+        candidates=evals,
+    )

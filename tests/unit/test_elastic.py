@@ -1,0 +1,184 @@
+"""Beyond the paper: elastic training's data-parallel size (planner/elastic.py), pipeline
+admission (scheduler/admission.py), pivot+'s re-prefill penalty, the measured training
+time model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from pivot_hpc.config.schema import PlannerConfig, ShiftTimes
+from pivot_hpc.coordinator.monitor import MeasuredTrainingTime
+from pivot_hpc.planner import Snapshot, SnapshotError, Topology, TrainingState, replica_id
+from pivot_hpc.planner.elastic import ElasticInputs, elastic_plan
+from pivot_hpc.planner.pairs import penalty
+from pivot_hpc.planner.planner import PivotStrategy
+from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
+from pivot_hpc.scheduler.admission import PipelineAdmission
+
+MODEL = ThroughputModel(A=1e-6, B=5e-3, C=2e-4, D=1e-3)
+
+
+def topology(elastic: bool = True, prefill: float = 0.0, tau: float = 1.0) -> Topology:
+    """16 GPUs; training owns 12-15 (tp 1), extension slots 0-11."""
+    return Topology.build(
+        num_gpus=16,
+        gpus_per_node=8,
+        tp={"rollout": 1, "reward": 1},
+        kv_capacity={"rollout": 50_000, "reward": 50_000},
+        models={"rollout": MODEL, "reward": MODEL},
+        training_gpus=[12, 13, 14, 15],
+        shift_time=ShiftTimes(rollout=tau, reward=tau, training=tau),
+        elastic=elastic,
+        prefill_s_per_token={"rollout": prefill, "reward": prefill},
+    )
+
+
+def snapshot(topo, rollout: int, reward: int, seqs: tuple[int, int], held=()) -> Snapshot:
+    """`rollout` replicas on GPUs 0.., `reward` after them, `seqs` sequences each role."""
+    scheds = {r: Scheduler(r) for r in ("rollout", "reward")}
+    for g in range(rollout):
+        scheds["rollout"].add_replica(replica_id("rollout", g), 50_000, MODEL)
+    for g in range(rollout, rollout + reward):
+        scheds["reward"].add_replica(replica_id("reward", g), 50_000, MODEL)
+    sid = 0
+    for role, n in zip(("rollout", "reward"), seqs, strict=True):
+        for _ in range(n):
+            scheds[role].submit(SeqState(sid, 300))
+            sid += 1
+        scheds[role].dispatch()
+    training = TrainingState(active=True, busy=False, batch_ready=True, extensions=set(held))
+    return Snapshot(topo, scheds, training)
+
+
+def step_time(gpus: int) -> float:
+    return 4.0 + 400.0 / gpus  # 104 s on the 4 training GPUs
+
+
+def inputs(work: float) -> ElasticInputs:
+    return ElasticInputs(step_time=step_time, reshard_s=2.0, work_tokens=work, value_rate=1000.0)
+
+
+def test_topology_has_extension_slots_outside_training() -> None:
+    topo = topology()
+    assert sorted(topo.elastic) == list(range(12))
+    assert topo.gpus_of("training:3") == (3,)
+    assert not topology(elastic=False).elastic
+    with pytest.raises(SnapshotError, match="not a training extension"):
+        topo.gpus_of("training:13")
+
+
+def test_idle_inference_gpus_are_lent_to_training() -> None:
+    snap = snapshot(topology(), rollout=2, reward=2, seqs=(0, 0))
+    plan = elastic_plan(snap, inputs(0.0), strategy="pivot")
+    assert plan is not None and len(plan.up) == 12  # every slot: the idle replicas too
+    assert sorted(plan.down) == ["reward:2", "reward:3", "rollout:0", "rollout:1"]
+    assert plan.penalty == 0.0 and plan.benefit > 0
+
+
+def test_busy_inference_keeps_its_gpus_when_it_is_the_longer_stage() -> None:
+    snap = snapshot(topology(), rollout=6, reward=6, seqs=(600, 600))
+    assert elastic_plan(snap, inputs(1e9), strategy="pivot") is None  # drains for days
+
+
+def test_training_bound_takes_busy_gpus_when_the_step_is_the_longer_stage() -> None:
+    snap = snapshot(topology(), rollout=6, reward=6, seqs=(12, 12))
+    plan = elastic_plan(snap, inputs(100.0), strategy="pivot")  # little inference work
+    assert plan is not None and plan.up and plan.benefit > 0
+    assert plan.penalty == pytest.approx(penalty(snap, plan.down))
+
+
+def test_held_extensions_go_back_to_a_starved_role() -> None:
+    """Training holds GPUs 0-11, rollout has 600 queued sequences and no replica: the step
+    would leave the work waiting, so extensions are given back."""
+    held = [replica_id("training", s) for s in range(12)]
+    snap = snapshot(topology(), rollout=0, reward=0, seqs=(600, 0), held=held)
+    plan = elastic_plan(snap, inputs(600 * 300.0), strategy="pivot")
+    assert plan is not None and not plan.up and plan.down
+    assert set(plan.down) <= set(held)
+
+
+def test_no_model_no_decision() -> None:
+    snap = snapshot(topology(), rollout=2, reward=2, seqs=(0, 0))
+    none = ElasticInputs(step_time=None, reshard_s=2.0, work_tokens=0.0, value_rate=1.0)
+    assert elastic_plan(snap, none, strategy="pivot") is None
+
+
+def test_pipeline_admission_limit() -> None:
+    adm = PipelineAdmission(staleness=2, batch_size=100)
+    assert adm.concurrency("rollout") == 0  # nothing finished: no cap
+    for n in (100, 100, 400):
+        adm.observe("rollout", n)
+    # (s+1) × batch × mean/longest = 3 × 100 × 200/400
+    assert adm.concurrency("rollout") == 150
+    assert adm.replica_limit("rollout", slots=16) == math.ceil(150 / 16)
+
+
+def test_replica_limit_caps_dispatch_and_keeps_priority_order() -> None:
+    s = Scheduler("rollout")
+    for g in range(2):
+        s.add_replica(replica_id("rollout", g), 10**6, ThroughputModel(1e-6, 5e-3, 2e-4, 1e-3))
+    for i in range(10):
+        s.submit(SeqState(i, 100))
+    s.replica_limit = 3
+    placed = s.dispatch()
+    assert len(placed) == 6 and {sid for sid, _ in placed} == set(range(6))  # oldest first
+    assert [q.seq_id for q in s.queued()] == [6, 7, 8, 9]
+    s.replica_limit = 0
+    assert len(s.dispatch()) == 4
+
+
+def test_pivot_plus_counts_the_re_prefill_of_what_it_migrates() -> None:
+    """Same snapshot: pivot's φ is τ_shift·T of the replicas it takes down; pivot+ adds the
+    re-prefill of their sequences' contexts, and with an expensive prefill shifts less."""
+    snaps = {}
+    for prefill in (0.0, 1e-2):
+        snaps[prefill] = snapshot(topology(elastic=False, prefill=prefill), 3, 9, (400, 40))
+        snaps[prefill].training = TrainingState(active=True, busy=True)
+    base = PivotStrategy(PlannerConfig()).plan(snaps[0.0])
+    assert not base.is_noop
+    plus = PivotStrategy(PlannerConfig(), name="pivot+", reprefill=True)
+    same = plus.plan(snaps[0.0])
+    assert same.up == base.up and same.penalty == pytest.approx(base.penalty)
+    costly = plus.plan(snaps[1e-2])
+    ev = {e.k: e for e in costly.candidates}
+    first = ev[min(ev)]
+    assert first.penalty > penalty(snaps[1e-2], first.down)  # re-prefill counted
+    assert len(costly.up) < len(base.up)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rollout=st.integers(0, 6),
+    reward=st.integers(0, 6),
+    seqs=st.tuples(st.integers(0, 300), st.integers(0, 300)),
+    held=st.integers(0, 4),
+    work=st.sampled_from([0.0, 1e3, 1e5, 1e7, math.inf]),
+    tau=st.floats(0.01, 30.0),
+)
+def test_elastic_never_pays_more_than_it_gains(rollout, reward, seqs, held, work, tau) -> None:
+    """Whatever the snapshot, an elastic plan's benefit (makespan saved at T_ref, minus the
+    penalty at the measured τ_shift) is not negative, and its penalty is the occupants'."""
+    assume(rollout + reward + held <= 12)  # held extensions sit on GPUs 12-held..11
+    held_ids = [replica_id("training", s) for s in range(12 - held, 12)]
+    snap = snapshot(topology(tau=tau), rollout, reward, seqs, held=held_ids)
+    plan = elastic_plan(snap, inputs(work), strategy="pivot")
+    if plan is None:
+        return
+    assert plan.benefit >= 0
+    assert plan.penalty == pytest.approx(
+        penalty(snap, [d for d in plan.down if "training" not in d])
+    )
+
+
+def test_measured_training_time_fits_fixed_plus_data_parallel_part() -> None:
+    m = MeasuredTrainingTime()
+    assert not m.ready()
+    m.observe([100] * 10, 1, 2.0 + 1000 * 1e-3)
+    assert m.ready() and m.step_time([100] * 10, 2) == pytest.approx(1.5)  # ideal until seen
+    m.observe([100] * 10, 2, 2.0 + 500 * 1e-3)
+    m.observe([100] * 20, 4, 2.0 + 500 * 1e-3)
+    assert m.step_time([100] * 10, 4) == pytest.approx(2.0 + 250 * 1e-3)
