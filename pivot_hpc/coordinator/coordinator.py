@@ -721,4 +721,6 @@ class Coordinator:
         key = (a["rollout"], a["reward"], a["training"], a["idle"], a["transition"])
         if key != self._allocation:
             self._allocation = key
-            self.telemetry.allocation(self.cluster.now(), *key)
+            self.telemetry.allocation(
+                self.cluster.now(), **{f"{role}_gpus": n for role, n in a.items()}
+            )

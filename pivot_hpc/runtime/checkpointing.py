@@ -136,16 +136,16 @@ class LiveCheckpointer:
         index = int(final.name.split("-")[1])
         coord.telemetry.checkpoint(
             coord.cluster.now(),
-            index,
-            version,
-            reason,
-            nbytes,
-            save_s,
-            policy_s,
-            train_s,
-            len(partials),
-            partial_tokens,
-            replay,
+            index=index,
+            step=version,
+            reason=reason,
+            bytes=nbytes,
+            save_s=save_s,
+            policy_s=policy_s,
+            train_s=train_s,
+            partial_sequences=len(partials),
+            partial_tokens=partial_tokens,
+            replay_samples=replay,
         )
         coord.telemetry.flush()
         self.last_step = version

@@ -288,7 +288,12 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     def evaluate() -> None:
         ev = evaluator.run()
         writer.evaluation(
-            cluster.now(), ev.version, ev.accuracy, ev.mean_verifiable, ev.problems, ev.seconds
+            cluster.now(),
+            version=ev.version,
+            accuracy=ev.accuracy,
+            reward_verifiable_mean=ev.mean_verifiable,
+            problems=ev.problems,
+            seconds=ev.seconds,
         )
         writer.flush()
         trackers.log(

@@ -28,6 +28,7 @@ from pivot_hpc.telemetry.schema import (
     RESERVED_ATTRS,
     SCHEMA_VERSION,
     SLURM_ENV,
+    TIME_FIELDS,
 )
 
 _ALLOC_RE = re.compile(r"^alloc-(\d+)\.h5$")
@@ -146,221 +147,50 @@ class TelemetryWriter:
             raise
 
     # ------------------------------------------------------------------ rows
-    def throughput(
-        self,
-        t: float,
-        role: str,
-        replicas: int,
-        gpus: int,
-        n_seq: int,
-        n_queued: int,
-        n_tok: int,
-        tokens_per_s: float,
-        est_tokens_per_s: float,
-    ) -> None:
-        self._buf["throughput"].append(
-            (
-                t + self._t0,
-                role,
-                replicas,
-                gpus,
-                n_seq,
-                n_queued,
-                n_tok,
-                tokens_per_s,
-                est_tokens_per_s,
+    # One method per dataset; every field after the first (the time, or the step) by
+    # name, as schema.FIELDS names and documents it (the only place the columns are
+    # listed). Seconds since run start get this allocation's time offset.
+    def throughput(self, t: float, /, **fields: Any) -> None:
+        self._append("throughput", t=t, **fields)
+
+    def allocation(self, t: float, /, **fields: Any) -> None:
+        self._append("allocation", t=t, **fields)
+
+    def shift(self, t: float, /, **fields: Any) -> None:
+        if fields.get("kind") not in ("up", "down"):
+            raise ValueError(f"shift kind {fields.get('kind')!r}: use 'up' or 'down'")
+        self._append("shifts", t=t, **fields)
+
+    def planner(self, t: float, /, **fields: Any) -> None:
+        self._append("planner", t=t, **fields)
+
+    def migration(self, t: float, /, **fields: Any) -> None:
+        self._append("migrations", t=t, **fields)
+
+    def step(self, step: int, /, **fields: Any) -> None:
+        self._append("steps", step=step, **fields)
+
+    def trained(self, step: int, /, **fields: Any) -> None:
+        self._append("trained", step=step, **fields)
+
+    def checkpoint(self, t: float, /, **fields: Any) -> None:
+        self._append("checkpoints", t=t, **fields)
+
+    def evaluation(self, t: float, /, **fields: Any) -> None:
+        self._append("evals", t=t, **fields)
+
+    def _append(self, name: str, **fields: Any) -> None:
+        names = DTYPES[name].names
+        if fields.keys() != set(names):
+            missing = [f for f in names if f not in fields]
+            unknown = sorted(set(fields) - set(names))
+            raise TypeError(
+                f"telemetry {name}: missing fields {missing}, unknown fields {unknown} "
+                f"(schema: {', '.join(names)})"
             )
-        )
-
-    def allocation(
-        self,
-        t: float,
-        rollout_gpus: int,
-        reward_gpus: int,
-        training_gpus: int,
-        idle_gpus: int,
-        transition_gpus: int,
-    ) -> None:
-        self._buf["allocation"].append(
-            (t + self._t0, rollout_gpus, reward_gpus, training_gpus, idle_gpus, transition_gpus)
-        )
-
-    def shift(
-        self,
-        t: float,
-        kind: str,
-        role: str,
-        replica: str,
-        gpus: int,
-        plan_id: int,
-        penalty: float,
-        benefit: float,
-        discard_s: float,
-        read_s: float,
-        offload_s: float,
-        reload_s: float,
-        total_s: float,
-    ) -> None:
-        if kind not in ("up", "down"):
-            raise ValueError(f"shift kind {kind!r}: use 'up' or 'down'")
-        self._buf["shifts"].append(
-            (
-                t + self._t0,
-                kind,
-                role,
-                replica,
-                gpus,
-                plan_id,
-                penalty,
-                benefit,
-                discard_s,
-                read_s,
-                offload_s,
-                reload_s,
-                total_s,
-            )
-        )
-
-    def planner(
-        self,
-        t: float,
-        plan_id: int,
-        strategy: str,
-        up_role: str,
-        n_up: int,
-        n_down: int,
-        candidates: int,
-        preprocess_s: float,
-        construct_s: float,
-        simulate_s: float,
-        benefit: float,
-        throughput_current: float,
-        throughput_expected: float,
-    ) -> None:
-        self._buf["planner"].append(
-            (
-                t + self._t0,
-                plan_id,
-                strategy,
-                up_role,
-                n_up,
-                n_down,
-                candidates,
-                preprocess_s,
-                construct_s,
-                simulate_s,
-                benefit,
-                throughput_current,
-                throughput_expected,
-            )
-        )
-
-    def migration(
-        self,
-        t: float,
-        role: str,
-        kind: str,
-        sequences: int,
-        abort_s: float,
-        dispatch_s: float,
-        reprefill_s: float,
-    ) -> None:
-        self._buf["migrations"].append(
-            (t + self._t0, role, kind, sequences, abort_s, dispatch_s, reprefill_s)
-        )
-
-    def step(
-        self,
-        step: int,
-        start: float,
-        end: float,
-        rollout_tokens: int,
-        reward_tokens: int,
-        train_tokens: int,
-        samples: int,
-        reward_mean: float,
-        reward_verifiable_mean: float,
-        reward_genrm_mean: float,
-        loss: float,
-        staleness_max: int,
-        staleness_mean: float,
-        version: int,
-    ) -> None:
-        self._buf["steps"].append(
-            (
-                step,
-                start + self._t0,
-                end + self._t0,
-                rollout_tokens,
-                reward_tokens,
-                train_tokens,
-                samples,
-                reward_mean,
-                reward_verifiable_mean,
-                reward_genrm_mean,
-                loss,
-                staleness_max,
-                staleness_mean,
-                version,
-            )
-        )
-
-    def trained(
-        self,
-        step: int,
-        sample_id: int,
-        prompt_index: int,
-        group: int,
-        version_start: int,
-        response_tokens: int,
-        reward: float,
-    ) -> None:
-        self._buf["trained"].append(
-            (step, sample_id, prompt_index, group, version_start, response_tokens, reward)
-        )
-
-    def checkpoint(
-        self,
-        t: float,
-        index: int,
-        step: int,
-        reason: str,
-        nbytes: int,
-        save_s: float,
-        policy_s: float,
-        train_s: float,
-        partial_sequences: int,
-        partial_tokens: int,
-        replay_samples: int,
-    ) -> None:
-        self._buf["checkpoints"].append(
-            (
-                t + self._t0,
-                index,
-                step,
-                reason,
-                nbytes,
-                save_s,
-                policy_s,
-                train_s,
-                partial_sequences,
-                partial_tokens,
-                replay_samples,
-            )
-        )
-
-    def evaluation(
-        self,
-        t: float,
-        version: int,
-        accuracy: float,
-        reward_verifiable_mean: float,
-        problems: int,
-        seconds: float,
-    ) -> None:
-        self._buf["evals"].append(
-            (t + self._t0, version, accuracy, reward_verifiable_mean, problems, seconds)
-        )
+        for f in TIME_FIELDS[name]:
+            fields[f] = fields[f] + self._t0
+        self._buf[name].append(tuple(fields[f] for f in names))
 
     # ------------------------------------------------------------------ disk
     def rows(self, name: str) -> int:

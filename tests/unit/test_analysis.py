@@ -192,9 +192,31 @@ def write_learning_run(run_dir: Path, mode: str, seed: int, accuracy: list[float
     meta = {"mode": mode, "strategy": "", "config": {"rl": {"trainer": {"seed": seed}}}}
     with TelemetryWriter(run_dir, meta=META | meta) as w:
         for i in range(4):
-            w.step(i, 2.0 * i, 2.0 * i + 2, 100, 50, 100, 8, float(i), 0.0, 0.0, 0.1, 0, 0.0, i + 1)
+            w.step(
+                i,
+                start=2.0 * i,
+                end=2.0 * i + 2,
+                rollout_tokens=100,
+                reward_tokens=50,
+                train_tokens=100,
+                samples=8,
+                reward_mean=float(i),
+                reward_verifiable_mean=0.0,
+                reward_genrm_mean=0.0,
+                loss=0.1,
+                staleness_max=0,
+                staleness_mean=0.0,
+                version=i + 1,
+            )
         for v, acc in zip((0, 2, 4), accuracy, strict=True):
-            w.evaluation(2.0 * v, v, acc, 2 * acc - 1, 64, 0.5)
+            w.evaluation(
+                2.0 * v,
+                version=v,
+                accuracy=acc,
+                reward_verifiable_mean=2 * acc - 1,
+                problems=64,
+                seconds=0.5,
+            )
     return run_dir
 
 

@@ -27,6 +27,7 @@ from pivot_hpc.telemetry import (
     last_time,
     open_run,
 )
+from pivot_hpc.telemetry.schema import DTYPES
 from pivot_hpc.telemetry.summary import eq1, role_timeline, summarise, utilisation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +66,11 @@ META = {
 }
 
 
+def step_fields(row: tuple) -> dict:
+    """A STEPS row as the writer's keywords (after the step number)."""
+    return dict(zip(DTYPES["steps"].names[1:], row[1:], strict=True))
+
+
 def write_synthetic_run(run_dir: Path, scale: int = 1, **meta_overrides: object) -> Path:
     """Two allocation files of a small, hand-checkable trace (see the constants above);
     `scale` multiplies the steps' rollout and reward tokens (and so the throughput)."""
@@ -72,27 +78,195 @@ def write_synthetic_run(run_dir: Path, scale: int = 1, **meta_overrides: object)
     steps = [(*s[:3], s[3] * scale, s[4] * scale, *s[5:]) for s in STEPS]
     with TelemetryWriter(run_dir, meta=meta) as w:
         for t, ro, rm, tr, idle, trans in ALLOCATIONS_1:
-            w.allocation(t, ro, rm, tr, idle, trans)
+            w.allocation(
+                t,
+                rollout_gpus=ro,
+                reward_gpus=rm,
+                training_gpus=tr,
+                idle_gpus=idle,
+                transition_gpus=trans,
+            )
         for i, t in enumerate((0.0, 5.0, 10.0, 15.0, 20.0)):
-            w.throughput(t, "rollout", 4, 8, 16 - i, 2, 1000 + i, 100.0 + i, 110.0 + i)
-            w.throughput(t, "reward", 1, 2, i, 0, 10 * i, 50.0 * (i > 0), 55.0)
-        w.planner(9.0, 1, "pivot", "reward", 2, 2, 3, 0.01, 0.02, 0.03, 120.0, 80.0, 95.0)
-        w.planner(19.0, 2, "pivot", "training", 1, 4, 1, 0.02, 0.04, 0.06, 30.0, 60.0, 0.0)
-        w.shift(10.0, "down", "rollout", "rollout-2", 2, 1, 5.0, 120.0, 0.1, 0.0, 0.2, 0.0, 0.3)
-        w.shift(10.0, "up", "reward", "reward-1", 2, 1, 5.0, 120.0, 0.0, 0.8, 0.0, 0.1, 0.9)
-        w.shift(20.0, "up", "training", "training", 8, 2, 9.0, 30.0, 0.0, 1.5, 0.0, 0.5, 2.0)
-        w.migration(10.0, "rollout", "down", 4, 0.01, 0.2, 0.05)
-        w.migration(10.5, "reward", "up", 0, 0.0, 0.0, 0.0)
-        w.step(*steps[0])
+            w.throughput(
+                t,
+                role="rollout",
+                replicas=4,
+                gpus=8,
+                n_seq=16 - i,
+                n_queued=2,
+                n_tok=1000 + i,
+                tokens_per_s=100.0 + i,
+                est_tokens_per_s=110.0 + i,
+            )
+            w.throughput(
+                t,
+                role="reward",
+                replicas=1,
+                gpus=2,
+                n_seq=i,
+                n_queued=0,
+                n_tok=10 * i,
+                tokens_per_s=50.0 * (i > 0),
+                est_tokens_per_s=55.0,
+            )
+        w.planner(
+            9.0,
+            plan_id=1,
+            strategy="pivot",
+            up_role="reward",
+            n_up=2,
+            n_down=2,
+            candidates=3,
+            preprocess_s=0.01,
+            construct_s=0.02,
+            simulate_s=0.03,
+            benefit=120.0,
+            throughput_current=80.0,
+            throughput_expected=95.0,
+        )
+        w.planner(
+            19.0,
+            plan_id=2,
+            strategy="pivot",
+            up_role="training",
+            n_up=1,
+            n_down=4,
+            candidates=1,
+            preprocess_s=0.02,
+            construct_s=0.04,
+            simulate_s=0.06,
+            benefit=30.0,
+            throughput_current=60.0,
+            throughput_expected=0.0,
+        )
+        w.shift(
+            10.0,
+            kind="down",
+            role="rollout",
+            replica="rollout-2",
+            gpus=2,
+            plan_id=1,
+            penalty=5.0,
+            benefit=120.0,
+            discard_s=0.1,
+            read_s=0.0,
+            offload_s=0.2,
+            reload_s=0.0,
+            total_s=0.3,
+        )
+        w.shift(
+            10.0,
+            kind="up",
+            role="reward",
+            replica="reward-1",
+            gpus=2,
+            plan_id=1,
+            penalty=5.0,
+            benefit=120.0,
+            discard_s=0.0,
+            read_s=0.8,
+            offload_s=0.0,
+            reload_s=0.1,
+            total_s=0.9,
+        )
+        w.shift(
+            20.0,
+            kind="up",
+            role="training",
+            replica="training",
+            gpus=8,
+            plan_id=2,
+            penalty=9.0,
+            benefit=30.0,
+            discard_s=0.0,
+            read_s=1.5,
+            offload_s=0.0,
+            reload_s=0.5,
+            total_s=2.0,
+        )
+        w.migration(
+            10.0,
+            role="rollout",
+            kind="down",
+            sequences=4,
+            abort_s=0.01,
+            dispatch_s=0.2,
+            reprefill_s=0.05,
+        )
+        w.migration(
+            10.5,
+            role="reward",
+            kind="up",
+            sequences=0,
+            abort_s=0.0,
+            dispatch_s=0.0,
+            reprefill_s=0.0,
+        )
+        w.step(*steps[0][:1], **step_fields(steps[0]))
         w.flush()
     with TelemetryWriter(run_dir, meta=meta, time_offset=25.0) as w:
         for t, ro, rm, tr, idle, trans in ALLOCATIONS_2:
-            w.allocation(t, ro, rm, tr, idle, trans)
-        w.throughput(0.0, "rollout", 3, 6, 12, 0, 800, 90.0, 91.0)
-        w.throughput(0.0, "reward", 1, 2, 4, 1, 40, 40.0, 41.0)
-        w.planner(5.0, 3, "pivot", "", 0, 0, 2, 0.03, 0.06, 0.09, -1.0, 70.0, 70.0)
-        w.shift(6.0, "up", "rollout", "rollout-3", 2, 3, 1.0, 10.0, 0.0, 0.5, 0.0, 0.0, 0.5)
-        w.step(*steps[1])
+            w.allocation(
+                t,
+                rollout_gpus=ro,
+                reward_gpus=rm,
+                training_gpus=tr,
+                idle_gpus=idle,
+                transition_gpus=trans,
+            )
+        w.throughput(
+            0.0,
+            role="rollout",
+            replicas=3,
+            gpus=6,
+            n_seq=12,
+            n_queued=0,
+            n_tok=800,
+            tokens_per_s=90.0,
+            est_tokens_per_s=91.0,
+        )
+        w.throughput(
+            0.0,
+            role="reward",
+            replicas=1,
+            gpus=2,
+            n_seq=4,
+            n_queued=1,
+            n_tok=40,
+            tokens_per_s=40.0,
+            est_tokens_per_s=41.0,
+        )
+        w.planner(
+            5.0,
+            plan_id=3,
+            strategy="pivot",
+            up_role="",
+            n_up=0,
+            n_down=0,
+            candidates=2,
+            preprocess_s=0.03,
+            construct_s=0.06,
+            simulate_s=0.09,
+            benefit=-1.0,
+            throughput_current=70.0,
+            throughput_expected=70.0,
+        )
+        w.shift(
+            6.0,
+            kind="up",
+            role="rollout",
+            replica="rollout-3",
+            gpus=2,
+            plan_id=3,
+            penalty=1.0,
+            benefit=10.0,
+            discard_s=0.0,
+            read_s=0.5,
+            offload_s=0.0,
+            reload_s=0.0,
+            total_s=0.5,
+        )
+        w.step(*steps[1][:1], **step_fields(steps[1]))
     return run_dir
 
 
@@ -209,7 +383,22 @@ def test_summary_matches_hand_computation(run_dir: Path) -> None:
 def test_redone_step_counts_once(tmp_path: Path) -> None:
     write_synthetic_run(tmp_path)
     with TelemetryWriter(tmp_path, meta=META, time_offset=45.0) as w:  # step 1 again
-        w.step(1, 0.0, 15.0, 2000, 1500, 2000, 8, 0.5, 0.25, 0.25, 0.25, 1, 0.5, 2)
+        w.step(
+            1,
+            start=0.0,
+            end=15.0,
+            rollout_tokens=2000,
+            reward_tokens=1500,
+            train_tokens=2000,
+            samples=8,
+            reward_mean=0.5,
+            reward_verifiable_mean=0.25,
+            reward_genrm_mean=0.25,
+            loss=0.25,
+            staleness_max=1,
+            staleness_mean=0.5,
+            version=2,
+        )
     s = summarise(open_run(tmp_path))
     assert s["steps"] == 2 and s["reward_mean_last"] == 0.5
     assert s["tokens_per_s"] == pytest.approx(5000 / 60)
@@ -272,8 +461,36 @@ def test_writer_meta_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_writer_rejects_bad_rows_and_use_after_close(tmp_path: Path) -> None:
     w = TelemetryWriter(tmp_path, meta={})
     with pytest.raises(ValueError, match="'sideways'"):
-        w.shift(0.0, "sideways", "rollout", "r", 1, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    w.shift(0.0, "up", "rollout", "r" * 49, 1, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        w.shift(
+            0.0,
+            kind="sideways",
+            role="rollout",
+            replica="r",
+            gpus=1,
+            plan_id=0,
+            penalty=0.0,
+            benefit=0.0,
+            discard_s=0.0,
+            read_s=0.0,
+            offload_s=0.0,
+            reload_s=0.0,
+            total_s=0.0,
+        )
+    w.shift(
+        0.0,
+        kind="up",
+        role="rollout",
+        replica="r" * 49,
+        gpus=1,
+        plan_id=0,
+        penalty=0.0,
+        benefit=0.0,
+        discard_s=0.0,
+        read_s=0.0,
+        offload_s=0.0,
+        reload_s=0.0,
+        total_s=0.0,
+    )
     with pytest.raises(ValueError, match="shifts.replica .* at most 48"):
         w.flush()
     w._buf["shifts"].clear()
@@ -301,7 +518,17 @@ def test_many_rows_across_flushes(tmp_path: Path) -> None:
     n = 100_000
     with TelemetryWriter(tmp_path, meta={}) as w:
         for i in range(n):
-            w.throughput(float(i), "rollout", 1, 1, i, 0, i, 1.0, 1.0)
+            w.throughput(
+                float(i),
+                role="rollout",
+                replicas=1,
+                gpus=1,
+                n_seq=i,
+                n_queued=0,
+                n_tok=i,
+                tokens_per_s=1.0,
+                est_tokens_per_s=1.0,
+            )
             if i % 20_000 == 0:
                 w.flush()
     rows = open_run(tmp_path)["throughput"]
@@ -316,9 +543,11 @@ CRASH_WRITER = textwrap.dedent(
     i = 0
     while True:
         for _ in range(10):
-            w.throughput(float(i), "rollout", 1, 1, i, 0, i, 1.0, 1.0)
+            w.throughput(float(i), role="rollout", replicas=1, gpus=1, n_seq=i, n_queued=0,
+                         n_tok=i, tokens_per_s=1.0, est_tokens_per_s=1.0)
             i += 1
-        w.allocation(float(i), 1, 0, 0, 0, 0)
+        w.allocation(float(i), rollout_gpus=1, reward_gpus=0, training_gpus=0, idle_gpus=0,
+                     transition_gpus=0)
         w.flush()
         print(i, flush=True)  # rows 0..i-1 are on disk now
         time.sleep(0.005)
@@ -361,9 +590,39 @@ def test_read_while_the_writer_is_running(tmp_path: Path) -> None:
     read += "print(len(open_run(sys.argv[1])['steps']))"
     with TelemetryWriter(tmp_path, meta={}) as w:
         for i in range(3):
-            w.step(i, i, i + 1.0, 1, 1, 1, 1, 0.0, 0.0, 0.0, 0.0, 0, 0.0, i)
+            w.step(
+                i,
+                start=i,
+                end=i + 1.0,
+                rollout_tokens=1,
+                reward_tokens=1,
+                train_tokens=1,
+                samples=1,
+                reward_mean=0.0,
+                reward_verifiable_mean=0.0,
+                reward_genrm_mean=0.0,
+                loss=0.0,
+                staleness_max=0,
+                staleness_mean=0.0,
+                version=i,
+            )
         w.flush()
-        w.step(3, 3.0, 4.0, 1, 1, 1, 1, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 3)  # buffered only
+        w.step(
+            3,
+            start=3.0,
+            end=4.0,
+            rollout_tokens=1,
+            reward_tokens=1,
+            train_tokens=1,
+            samples=1,
+            reward_mean=0.0,
+            reward_verifiable_mean=0.0,
+            reward_genrm_mean=0.0,
+            loss=0.0,
+            staleness_max=0,
+            staleness_mean=0.0,
+            version=3,
+        )  # buffered only
         out = subprocess.run(
             [sys.executable, "-c", read, str(tmp_path)],
             capture_output=True,
@@ -418,7 +677,22 @@ def test_readme_documents_every_field() -> None:
 def test_schema_1_files_read_the_newer_datasets_as_empty(tmp_path: Path) -> None:
     """A run directory written before `trained`/`checkpoints` existed still opens."""
     with TelemetryWriter(tmp_path, meta={"mode": "pivot"}) as w:
-        w.step(0, 0.0, 1.0, 10, 5, 20, 4, 0.5, 0.5, 0.0, 0.1, 0, 0.0, 1)
+        w.step(
+            0,
+            start=0.0,
+            end=1.0,
+            rollout_tokens=10,
+            reward_tokens=5,
+            train_tokens=20,
+            samples=4,
+            reward_mean=0.5,
+            reward_verifiable_mean=0.5,
+            reward_genrm_mean=0.0,
+            loss=0.1,
+            staleness_max=0,
+            staleness_mean=0.0,
+            version=1,
+        )
     path = tmp_path / "telemetry" / "alloc-001.h5"
     with h5py.File(path, "r+") as f:  # rewrite it as a schema-1 file
         del f["trained"], f["checkpoints"], f["evals"]
