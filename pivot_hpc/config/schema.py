@@ -16,6 +16,7 @@ from pivot_hpc.engines.config import EnginesConfig
 from pivot_hpc.gps.config import GPSConfig
 from pivot_hpc.models.config import ModelsConfig
 from pivot_hpc.rl.config import RLConfig
+from pivot_hpc.scheduler.config import ThroughputConfig
 from pivot_hpc.sim.config import SimConfig
 from pivot_hpc.tracking.config import TrackingConfig
 
@@ -46,24 +47,6 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
-
-
-@dataclass(kw_only=True)
-class ThroughputConfig:
-    """Constants of T = N_seq / (A·N_tok + max(B, C·N_seq) + D), seconds per decode step."""
-
-    A: float = 1.0e-8  # seconds per KV-cache token read each step (attention)
-    B: float = 5.0e-3  # seconds to stream the weights once (memory-bound FFN floor)
-    C: float = 1.0e-4  # seconds per running sequence (compute-bound FFN)
-    D: float = 1.0e-3  # fixed per-step overhead
-
-    def validate(self, path: str) -> None:
-        for name in ("A", "B", "C", "D"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                fail(f"{path}.{name}", v, "throughput constants must be finite and >= 0")
-        if self.B + self.D <= 0:
-            fail(f"{path}.B", self.B, "B + D must be > 0 (a decode step cannot take zero time)")
 
 
 @dataclass(kw_only=True)

@@ -52,7 +52,7 @@ def _messages(value: Any) -> tuple[tuple[str, str], ...]:
     return out if len(out) == len(value) else ()
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     i = text.rfind("\\boxed{")
     if i < 0:
         return None
@@ -96,7 +96,7 @@ def _answer_of(row: dict, key: str = "reward_model.ground_truth") -> str | None:
             return str(v).strip()
     sol = row.get("solution")
     if isinstance(sol, str):
-        return _last_boxed(sol)
+        return last_boxed(sol)
     return None
 
 

@@ -10,6 +10,7 @@ that `load_profile` / `apply_profiles` put into `rollout.throughput` / `reward.t
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +18,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from pivot_hpc.config.schema import ThroughputConfig
 from pivot_hpc.engines.base import SamplingParams
 from pivot_hpc.engines.hf_engine import HFEngine
+from pivot_hpc.scheduler.config import ThroughputConfig
 from pivot_hpc.scheduler.throughput import FitReport, evaluate_fit, fit_throughput_model
 
 
@@ -126,13 +127,12 @@ def load_profile(path: str | Path) -> ThroughputConfig:
     return tc
 
 
-def apply_profiles(cfg) -> None:
-    """Set `cfg.rollout.throughput` / `cfg.reward.throughput` from the profile files named
-    by `engines.<role>.throughput_profile` (call once after `load_config`)."""
-    engines = getattr(cfg, "engines", None)
-    if engines is None:
-        return
+def apply_profiles(cfg):
+    """`cfg` with `rollout.throughput` / `reward.throughput` from the profile files named by
+    `engines.<role>.throughput_profile` (a new config: the validated one is not changed)."""
     for role in ("rollout", "reward"):
-        prof = getattr(engines, role).throughput_profile
+        prof = getattr(cfg.engines, role).throughput_profile
         if prof is not None:
-            getattr(cfg, role).throughput = load_profile(prof)
+            section = dataclasses.replace(getattr(cfg, role), throughput=load_profile(prof))
+            cfg = dataclasses.replace(cfg, **{role: section})
+    return cfg

@@ -49,3 +49,9 @@ def encode_prompt(tok, text: str, messages: Sequence[tuple[str, str]] = ()) -> l
         templated = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         return list(tok.encode(templated, add_special_tokens=False))
     return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False)]
+
+
+def decode_response(tok, ids: Sequence[int]) -> str:
+    """A generated response as text, without its end-of-sequence token."""
+    eos = tok.eos_token_id
+    return tok.decode([t for t in ids if t != eos])

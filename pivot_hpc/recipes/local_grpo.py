@@ -21,7 +21,7 @@ from pivot_hpc.engines.base import SamplingParams, TrainBatch
 from pivot_hpc.engines.hf_engine import HFEngine, generate_all
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.models.qwen2 import model_config_of
-from pivot_hpc.models.tokenizer import encode_prompt
+from pivot_hpc.models.tokenizer import decode_response, encode_prompt
 from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.rl.grpo import group_advantages, reference_logprobs
 from pivot_hpc.rl.rewards import (
@@ -86,7 +86,7 @@ class Judge:
         ]
         res = generate_all(self.engine, prompts, sp, first_id=self._next)
         self._next += len(prompts)
-        return [self._text(r.token_ids) for r in res]
+        return [decode_response(self.tok, r.token_ids) for r in res]
 
     def rewards(
         self,
@@ -96,9 +96,6 @@ class Judge:
     ) -> list[float]:
         judged = self.judgements(questions, responses, references)
         return genrm_rewards(judged, self.cfg.reward, self.stats)
-
-    def _text(self, ids: list[int]) -> str:
-        return self.tok.decode([t for t in ids if t != self.tok.eos_token_id])
 
 
 class LocalGRPO:
@@ -128,9 +125,6 @@ class LocalGRPO:
         self.rng = random.Random(self.cfg.trainer.seed)
         self._next_seq = 0
         self.report = LoopReport()
-
-    def _text(self, ids: list[int]) -> str:
-        return self.tok.decode([t for t in ids if t != self.tok.eos_token_id])
 
     def generate(self, problems: Sequence[Problem], sampling: SamplingParams):
         prompts = [encode_prompt(self.tok, p.prompt, p.messages) for p in problems]
@@ -162,7 +156,9 @@ class LocalGRPO:
         finally:
             self.rollout.gen = saved
         mean, acc = score_answers(
-            [self._text(r.token_ids) for r in res], [p.answer for p in batch], self.cfg.reward
+            [decode_response(self.tok, r.token_ids) for r in res],
+            [p.answer for p in batch],
+            self.cfg.reward,
         )
         return EvalResult(mean, acc, len(res))
 
@@ -179,7 +175,7 @@ class LocalGRPO:
             stop_token_ids=(self.tok.eos_token_id,),
         )
         prompts, res = self.generate(group, sp)
-        texts = [self._text(r.token_ids) for r in res]
+        texts = [decode_response(self.tok, r.token_ids) for r in res]
         rv = [
             verifiable_reward(t, p.answer, self.cfg.reward)
             for t, p in zip(texts, group, strict=True)

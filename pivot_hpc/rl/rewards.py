@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pivot_hpc.data.loaders import last_boxed
 from pivot_hpc.rl.config import RewardConfig
 
 GENRM_TEMPLATE = "{question}{response}\nJudge: "
@@ -31,9 +32,7 @@ def extract_answer(response: str) -> str | None:
     found = [f for f in found if f]
     if found:
         return found[-1].rstrip(".").strip()
-    from pivot_hpc.data.loaders import _last_boxed
-
-    boxed = _last_boxed(response)
+    boxed = last_boxed(response)
     return boxed.strip() if boxed else None
 
 

@@ -16,7 +16,7 @@ import torch
 
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams
-from pivot_hpc.models.tokenizer import encode_prompt
+from pivot_hpc.models.tokenizer import decode_response, encode_prompt
 from pivot_hpc.rl.rewards import score_answers
 
 
@@ -84,9 +84,8 @@ class Evaluator:
         tensors, version = self.gps.read("policy", [0], Parallelism(), device="cpu")
         self.engine.load_weights({k: torch.as_tensor(v) for k, v in tensors.items()}, version)
         results = generate_all(self.engine, self.prompts, self.sampling)
-        eos = self.tok.eos_token_id
         mean, accuracy = score_answers(
-            [self.tok.decode([t for t in r.token_ids if t != eos]) for r in results],
+            [decode_response(self.tok, r.token_ids) for r in results],
             [p.answer for p in self.problems],
             self.cfg.rl.reward,
         )

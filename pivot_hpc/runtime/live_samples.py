@@ -14,7 +14,7 @@ from typing import Any
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams, SeqResult, TrainBatch
-from pivot_hpc.models.tokenizer import encode_prompt
+from pivot_hpc.models.tokenizer import decode_response, encode_prompt
 from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.rl.grpo import group_advantages
 from pivot_hpc.rl.rewards import (
@@ -64,7 +64,7 @@ class LiveSamples:
         return Sample(sample_id, step, prompt_index, group, len(ids), LivePayload(p, ids))
 
     def text(self, ids: list[int]) -> str:
-        return self.tok.decode([t for t in ids if t != self.tok.eos_token_id])
+        return decode_response(self.tok, ids)
 
     def on_rollout(self, s: Sample, generated: int, result: Any) -> int:
         """Keep the response; build the GenRM prompt; return the reward context length."""

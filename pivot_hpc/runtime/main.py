@@ -10,6 +10,7 @@ printed first — never a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -142,9 +143,10 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
     return code
 
 
-def use_profiles(cfg: Config, dirs) -> None:
-    """Throughput constants for the schedulers: the engine/model profile if one exists
-    (`pivot-hpc profile` writes it), else a brief profile now, cached for the next run."""
+def use_profiles(cfg: Config, dirs) -> Config:
+    """`cfg` with throughput constants for the schedulers: the engine/model profile if one
+    exists (`pivot-hpc profile` writes it), else a brief profile now, cached for the next
+    run (a new config: the validated one is not changed)."""
     from pivot_hpc.engines.profile import apply_profiles, fit_samples, sweep, write_profile
     from pivot_hpc.models.config import cache_root
     from pivot_hpc.models.zoo import load_model
@@ -171,8 +173,11 @@ def use_profiles(cfg: Config, dirs) -> None:
                 f"{result.fit.summary()}",
                 flush=True,
             )
-        ec.throughput_profile = path
-    apply_profiles(cfg)
+        engines = dataclasses.replace(
+            cfg.engines, **{role: dataclasses.replace(ec, throughput_profile=path)}
+        )
+        cfg = dataclasses.replace(cfg, engines=engines)
+    return apply_profiles(cfg)
 
 
 def reward_trend(rewards: list[float]) -> str:
@@ -223,7 +228,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     from pivot_hpc.telemetry import TelemetryWriter
 
     config_dict = to_dict(cfg)  # as the user gave it (profiles below fill in constants)
-    use_profiles(cfg, dirs)
+    cfg = use_profiles(cfg, dirs)
     topology = builder.configured_topology(cfg)
     tok = load_tokenizer(dirs[0])
     data = cfg.rl.data

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from pivot_hpc.config import Config
+from pivot_hpc.config.schema import ClusterConfig
 from pivot_hpc.errors import PivotError
 
 
@@ -41,7 +42,11 @@ class Layout:
 
     def rank_of_gpu(self, gpu: int) -> int:
         node, slot = divmod(gpu, self.gpus_per_node)
-        return node * (self.gpus_per_node + 1) + slot + 1
+        return node * self.ranks_per_node + slot + 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return ClusterConfig(gpus_per_node=self.gpus_per_node).ranks_per_node
 
 
 def expected_size(cfg: Config) -> int:

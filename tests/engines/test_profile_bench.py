@@ -51,7 +51,9 @@ def test_profile_cli_writes_loadable_constants(tmp_path, capsys):
     tc = load_profile(path)
     assert tc.B + tc.D > 0
     cfg = load_config(None, [f"engines.reward.throughput_profile={path}"])
-    apply_profiles(cfg)
+    given = cfg
+    cfg = apply_profiles(cfg)
+    assert given.reward.throughput.A != out["A"] or out["A"] == 1e-8  # not changed in place
     assert cfg.reward.throughput.A == pytest.approx(out["A"])
     assert cfg.rollout.throughput.A != cfg.reward.throughput.A or out["A"] == 1e-8
 
