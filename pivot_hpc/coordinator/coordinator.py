@@ -1,22 +1,16 @@
-"""The coordinator: the RL loop, the schedulers, the planner and shift execution.
+"""The coordinator: the RL loop over the schedulers, the planner and shift execution.
 
 One event loop over an abstract `Cluster` (DESIGN.md §2). The simulator and the live MPI
 runtime provide clusters; this class, its two schedulers and the planner are the same
 objects in both. A deployment `Mode` (modes.py) decides when replicas shift; everything
-else — dispatching sequences, migrating them on shifts, rewarding, training within the
-staleness bound, publishing versions, telemetry — is done here the same way for all.
-
-Shift execution: a shift down first aborts the replica's sequences on the cluster (their
-tokens come back), updates the scheduler, and lets Alg. 3 re-dispatch them; a shift up
-waits until its GPUs are free (their previous occupants finished shifting down), then
-the replica loads weights from GPS and Alg. 4 fills and balances it.
+else — dispatching sequences, migrating them on shifts (`shifts.ShiftExecutor`),
+rewarding, training within the staleness bound, publishing versions, telemetry — is done
+here the same way for all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,10 +25,11 @@ from pivot_hpc.coordinator.events import (
 from pivot_hpc.coordinator.mode_api import Mode
 from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock, TrainingTime
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState, Sample
+from pivot_hpc.coordinator.shifts import ShiftExecutor
 from pivot_hpc.planner import ShiftPlan, Snapshot, Topology, TrainingState, role_of
 from pivot_hpc.planner.elastic import ElasticInputs, elastic_plan
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
-from pivot_hpc.scheduler import MigrationResult, Scheduler, SeqState
+from pivot_hpc.scheduler import Scheduler, SeqState
 from pivot_hpc.scheduler.admission import PipelineAdmission
 
 if TYPE_CHECKING:  # h5py is imported only by runs that write telemetry
@@ -109,19 +104,8 @@ class Coordinator:
         self.admission = admission  # scheduler.admission=pipeline: the role's running cap
         self.training = TrainingState()
         self.samples: dict[int, Sample] = {}
-        self.owner: dict[int, str] = {}  # GPU -> replica holding or shifting on it
-        self.shifting: dict[str, str] = {}  # rid -> "up" | "down"
-        self.pending_up: list[str] = []  # replicas waiting for their GPUs to free
-        # Policy version each rollout replica decodes with: set when its load is requested,
-        # because a replica applies a weight update before it decodes anything else.
-        self.replica_version: dict[str, int] = {}
-        self.up_version: dict[str, int] = {}  # version a shifting-up replica reads
-        self.plan_of: dict[str, tuple[int, float, float]] = {}  # rid -> plan id, φ, benefit
         self.steps: dict[int, StepLog] = {}
         self.stats = Stats()
-        self.plan_id = 0
-        self._allocation: tuple[int, ...] | None = None
-        self._arrived: dict[str, list[str]] = {}  # replicas up, waiting for Alg. 4
         self._finished: set[tuple[str, int, float]] = set()  # see _on_finished
         self.tokens_total = 0  # rollout + reward tokens of completed steps (§8.1 throughput)
         self.first_step_start = float("inf")
@@ -134,12 +118,13 @@ class Coordinator:
         self.stop_requested: Callable[[], bool] = lambda: False
         self.draining = False
         self.stopped = False
-        self._hold_dispatch = False  # see take_down
-        # The monitor's refits (monitor.py): τ_shift from measured shifts, A–D from the
-        # engines' decode steps; the planner sees them through `self.topology`.
-        self.shift_clock = ShiftClock(topology.shift_time) if refit_shift_time else None
+        # The monitor's refits (monitor.py): τ_shift from measured shifts (the shift
+        # executor's clock), A–D from the engines' decode steps; the planner sees them
+        # through `self.topology`.
         self.fits = {r: OnlineFit() for r in INFERENCE_ROLES} if refit_throughput else {}
-        self._shift_t0: dict[str, float] = {}  # rid -> when its shift was requested
+        self.shifts = ShiftExecutor(
+            self, ShiftClock(topology.shift_time) if refit_shift_time else None
+        )
         # Elastic training (planner.elastic_training; the topology has extension slots):
         # before each step the planner picks its data-parallel size (planner/elastic.py)
         self.training_time = training_time
@@ -168,7 +153,7 @@ class Coordinator:
             before = self.rl.version
             for ev in events:
                 self.handle(ev)
-            self.activate_arrived()
+            self.shifts.activate_arrived()
             if events or self.training.busy:  # a training step may take hours: not a stall
                 last_event = self.cluster.now()
                 if not self.draining:
@@ -198,7 +183,7 @@ class Coordinator:
         if isinstance(ev, SequenceFinished):
             self._on_finished(ev)
         elif isinstance(ev, ShiftDone):
-            self._on_shift_done(ev)
+            self.shifts.on_shift_done(ev)
         elif isinstance(ev, TrainingDone):
             self._on_trained(ev)
         elif isinstance(ev, WeightsUpdated):
@@ -248,7 +233,7 @@ class Coordinator:
                 self.schedulers[role].submit(SeqState(s.sample_id, length, s))
 
     def dispatch(self, role: str) -> None:
-        if self.draining or self._hold_dispatch:
+        if self.draining or self.shifts.hold_dispatch:
             return
         for seq_id, rid in self.schedulers[role].dispatch():
             self._start(role, rid, seq_id)
@@ -256,7 +241,7 @@ class Coordinator:
     def _start(self, role: str, rid: str, seq_id: int) -> None:
         s = self.samples[seq_id]
         if role == "rollout" and s.version_start < 0:
-            s.version_start = self.replica_version.get(rid, self.rl.version)
+            s.version_start = self.shifts.replica_version.get(rid, self.rl.version)
         self.cluster.start(rid, s, role)
 
     def _finish_early(self, ev: SequenceFinished) -> None:
@@ -307,203 +292,10 @@ class Coordinator:
         self.dispatch(ev.role)
         self.maybe_train()
 
-    # ------------------------------------------------------------ shifts
-    def gpus_free(self, rid: str) -> bool:
-        return all(g not in self.owner for g in self.topology.gpus_of(rid))
-
-    def request_up(self, rids: Iterable[str]) -> None:
-        for rid in rids:
-            if rid in self.shifting or self._is_up(rid):
-                raise ConservationError(f"{rid} is already up or shifting")
-            self.pending_up.append(rid)
-        self._start_pending()
-
-    def _is_up(self, rid: str) -> bool:
-        if role_of(rid) == TRAINING:
-            return self.training.holds(rid)
-        return rid in self.schedulers[role_of(rid)].replicas
-
-    def _start_pending(self) -> None:
-        waiting = []
-        for rid in self.pending_up:
-            if not self.gpus_free(rid):
-                waiting.append(rid)
-                continue
-            for g in self.topology.gpus_of(rid):
-                self.owner[g] = rid
-            self.shifting[rid] = "up"
-            self.up_version[rid] = self.rl.version
-            self._shift_t0[rid] = self.cluster.now()
-            self.cluster.shift_up(rid, self.rl.version)
-        self.pending_up = waiting
-
-    def take_down(self, rids: Iterable[str]) -> None:
-        """Shift replicas down: abort + migrate their sequences (Alg. 3), then release GPUs."""
-        by_role: dict[str, list[str]] = defaultdict(list)
-        now = self.cluster.now()
-        for rid in rids:
-            if rid in self.shifting:
-                raise ConservationError(f"{rid} is already shifting")
-            by_role[role_of(rid)].append(rid)
-            self._shift_t0[rid] = now  # its GPUs are lost from here (aborts included)
-        for role, group in by_role.items():
-            if role == TRAINING:
-                if self.training.busy:
-                    raise ConservationError("training cannot shift down while it trains")
-                for rid in group:
-                    if not self.training.holds(rid):
-                        raise ConservationError(f"{rid} shifts down but training does not hold it")
-                    if rid == TRAINING:
-                        self.training.active = False
-                    else:
-                        self.training.extensions.discard(rid)
-                    self.shifting[rid] = "down"
-                    self.cluster.shift_down(rid)
-                continue
-            sched = self.schedulers[role]
-            t0 = time.perf_counter()
-            where = {seq.seq_id: rid for rid in group for seq in sched.running_on(rid)}
-            lengths, finished = {}, []
-            for seq_id, length in self.cluster.abort(where).items():
-                if length is None:  # it finished before the abort reached it
-                    finished.append(self.cluster.take_finished(role, seq_id))
-                else:
-                    lengths[seq_id] = length
-            sched.set_lengths(lengths)
-            abort_s = time.perf_counter() - t0
-            # Late finishes leave the scheduler before it migrates the rest; nothing may be
-            # dispatched onto the replicas going down meanwhile (their finish handling
-            # dispatches), so dispatching waits until they are gone.
-            self._hold_dispatch = True
-            try:
-                for ev in finished:
-                    self._finish_early(ev)
-            finally:
-                self._hold_dispatch = False
-            res = sched.shift_down(group)
-            for seq_id, rid in res.dispatched:
-                self._start(role, rid, seq_id)
-            self._log_migration(role, "down", res, abort_s)
-            for rid in group:
-                self.shifting[rid] = "down"
-                self.cluster.shift_down(rid)
-            if finished:
-                for r in INFERENCE_ROLES:
-                    self.dispatch(r)
-
-    def _on_shift_done(self, ev: ShiftDone) -> None:
-        rid = ev.rid
-        if self.shifting.pop(rid, None) != ev.kind:
-            raise ConservationError(f"unexpected shift-{ev.kind} completion of {rid}")
-        role = role_of(rid)
-        started = self._shift_t0.pop(rid, None)
-        if self.shift_clock is not None and started is not None:
-            self.shift_clock.observe(role, ev.kind, ev.t - started)
-            self.topology = dataclasses.replace(
-                self.topology, shift_time=self.shift_clock.shift_times()
-            )
-        plan_id, phi, benefit = self.plan_of.pop(rid, (0, 0.0, 0.0))
-        gpus = len(self.topology.gpus_of(rid))
-        ph = ev.phases
-        self.telemetry.shift(
-            ev.t,
-            kind=ev.kind,
-            role=role,
-            replica=rid,
-            gpus=gpus,
-            plan_id=plan_id,
-            penalty=phi,
-            benefit=benefit,
-            discard_s=ph.get("discard_s", 0.0),
-            read_s=ph.get("read_s", 0.0),
-            offload_s=ph.get("offload_s", 0.0),
-            reload_s=ph.get("reload_s", 0.0),
-            total_s=sum(ph.values()),
-        )
-        if ev.kind == "down":
-            self.stats.shifts_down += 1
-            for g in self.topology.gpus_of(rid):
-                if self.owner.get(g) == rid:
-                    del self.owner[g]
-            self.replica_version.pop(rid, None)
-            self._start_pending()
-        else:
-            self.stats.shifts_up += 1
-            if role == TRAINING:
-                if rid == TRAINING:
-                    self.training.active = True
-                else:
-                    self.training.extensions.add(rid)
-                self.maybe_train()
-            else:
-                if (
-                    role == "rollout"
-                    and self.up_version.pop(rid, self.rl.version) < self.rl.version
-                ):
-                    self.cluster.update_weights(rid, self.rl.version)  # trained while it read
-                self.replica_version[rid] = self.rl.version
-                self._arrived.setdefault(role, []).append(rid)
-        self._log_allocation()
-
-    def activate_arrived(self) -> None:
-        """Alg. 4 once per role for every replica that finished shifting up at this instant."""
-        if self.draining:
-            return  # they stay idle; a resumed run starts its own allocation
-        arrived, self._arrived = self._arrived, {}
-        for role, rids in arrived.items():
-            sched = self.schedulers[role]
-            if sched.n_running:
-                sched.set_lengths(self.cluster.lengths(role))
-            spec = self.topology.roles[role]
-            t0 = time.perf_counter()
-            res = sched.shift_up([(rid, self.capacity[role], spec.model) for rid in rids])
-            plan_s = time.perf_counter() - t0
-            # Net effect of the moves: the cluster stops a moved sequence where it runs and
-            # starts it where it ends up (it may have moved twice within one migration).
-            moving, starts = res.net_moves()
-            t1 = time.perf_counter()
-            lengths, finished = {}, []
-            for seq_id, length in self.cluster.abort(moving).items():
-                if length is None:  # finished on its source before the abort reached it
-                    finished.append(self.cluster.take_finished(role, seq_id))
-                else:
-                    lengths[seq_id] = length
-            abort_s = time.perf_counter() - t1 + plan_s
-            if lengths:
-                sched.set_lengths(lengths)
-            for ev in finished:  # the scheduler already moved it: finish it where it is now
-                self._finish_early(dataclasses.replace(ev, rid=sched.location(ev.seq_id)))
-            done = {ev.seq_id for ev in finished}
-            for seq_id, dst in starts.items():
-                if seq_id not in done:
-                    self._start(role, dst, seq_id)
-            self._log_migration(role, "up", res, abort_s)
-
-    def _log_migration(self, role: str, kind: str, res: MigrationResult, abort_s: float) -> None:
-        moved = len(res.dispatched)
-        if not moved and not res.aborted:
-            return
-        self.stats.migrated += len(res.aborted)
-        per_dst: dict[str, int] = defaultdict(int)
-        sched = self.schedulers[role]
-        for seq_id, dst in dict(res.dispatched).items():
-            if seq_id in sched:  # (not if it finished before its abort landed)
-                per_dst[dst] += sched.sequence(seq_id).length
-        reprefill = max((self.cluster.prefill_time(role, n) for n in per_dst.values()), default=0.0)
-        self.telemetry.migration(
-            self.cluster.now(),
-            role=role,
-            kind=kind,
-            sequences=moved,
-            abort_s=abort_s,
-            dispatch_s=res.dispatch_s + res.migrate_s,
-            reprefill_s=reprefill,
-        )
-
     # ---------------------------------------------------------- training
     def maybe_train(self) -> None:
         tr = self.training
-        if self.draining or not tr.active or tr.busy or TRAINING in self.shifting:
+        if self.draining or not tr.active or tr.busy or TRAINING in self.shifts.shifting:
             return
         if not self.rl.batch_ready():
             return
@@ -514,7 +306,7 @@ class Coordinator:
                 self._elastic_step = self.rl.version
                 plan = self._elastic_plan()
                 if plan is not None:
-                    self.execute(plan)
+                    self.shifts.execute(plan)
                     if self._extensions_coming():
                         return
         batch = self.rl.begin_training()
@@ -524,8 +316,8 @@ class Coordinator:
 
     def _extensions_coming(self) -> bool:
         return any(
-            role_of(r) == TRAINING and self.shifting.get(r) == "up" for r in self.shifting
-        ) or any(role_of(r) == TRAINING for r in self.pending_up)
+            role_of(r) == TRAINING and kind == "up" for r, kind in self.shifts.shifting.items()
+        ) or any(role_of(r) == TRAINING for r in self.shifts.pending_up)
 
     def _elastic_plan(self) -> ShiftPlan | None:
         """The planner's data-parallel size for the step about to start (elastic.py)."""
@@ -534,7 +326,7 @@ class Coordinator:
         step_time = None
         if model is not None and model.ready():
             step_time = lambda gpus: model.step_time(lengths, gpus)  # noqa: E731
-        moving = [*self.shifting, *self.pending_up]
+        moving = [*self.shifts.shifting, *self.shifts.pending_up]
         inputs = ElasticInputs(
             step_time=step_time,
             reshard_s=self.topology.shift_time.training,
@@ -635,9 +427,9 @@ class Coordinator:
                 },
             )
         for rid in list(self.schedulers["rollout"].replicas):
-            if rid not in self.shifting:
+            if rid not in self.shifts.shifting:
                 self.cluster.update_weights(rid, self.rl.version)
-                self.replica_version[rid] = self.rl.version
+                self.shifts.replica_version[rid] = self.rl.version
         self.release()
         self.maybe_train()
 
@@ -650,45 +442,33 @@ class Coordinator:
             f"reward {len(rm.replicas)} replicas {rm.n_running} running {rm.n_queued} queued, "
             f"training active={self.training.active} busy={self.training.busy} "
             f"extensions={sorted(self.training.extensions)}, "
-            f"shifting {sorted(self.shifting)}, pending {self.pending_up}"
+            f"shifting {sorted(self.shifts.shifting)}, pending {self.shifts.pending_up}"
         )
+
+    # ------------------------------------------- what modes and the run ask (ModeView)
+    def request_up(self, rids: Iterable[str]) -> None:
+        self.shifts.request_up(rids)
+
+    def take_down(self, rids: Iterable[str]) -> None:
+        self.shifts.take_down(rids)
+
+    def idle(self) -> bool:
+        return self.shifts.idle()
+
+    def execute(self, plan: ShiftPlan) -> None:
+        self.shifts.execute(plan)
+
+    def allocation(self) -> dict[str, int]:
+        return self.shifts.allocation()
+
+    @property
+    def shift_clock(self) -> ShiftClock | None:
+        return self.shifts.clock
 
     # ----------------------------------------------------------- planner
     def snapshot(self) -> Snapshot:
         self.training.batch_ready = self.rl.batch_ready()
         return Snapshot(self.topology, self.schedulers, self.training)
-
-    def idle(self) -> bool:
-        """No shift in flight or waiting: the allocation is what the schedulers say."""
-        return not self.shifting and not self.pending_up
-
-    def execute(self, plan: ShiftPlan) -> None:
-        """Log a planner decision and carry it out (shift down first, then up)."""
-        self.plan_id += 1
-        self.stats.plans += 1
-        t = plan.timings
-        self.telemetry.planner(
-            self.cluster.now(),
-            plan_id=self.plan_id,
-            strategy=plan.strategy,
-            up_role=plan.up_role or "",
-            n_up=len(plan.up),
-            n_down=len(plan.down),
-            candidates=len(plan.candidates),
-            preprocess_s=t.preprocess_s,
-            construct_s=t.construct_s,
-            simulate_s=t.simulate_s,
-            benefit=plan.benefit,
-            throughput_current=plan.throughput_current,
-            throughput_expected=plan.throughput_expected,
-        )
-        if plan.is_noop:
-            return
-        for rid in plan.up + plan.down:
-            self.plan_of[rid] = (self.plan_id, plan.penalty, plan.benefit)
-        self.take_down(plan.down)
-        self.request_up(plan.up)
-        self._log_allocation()
 
     # --------------------------------------------------------- telemetry
     def _log_throughput(self) -> None:
@@ -706,21 +486,4 @@ class Coordinator:
                 n_tok=n_tok,
                 tokens_per_s=self.cluster.measured_throughput(role),
                 est_tokens_per_s=s.throughput(),
-            )
-
-    def allocation(self) -> dict[str, int]:
-        count = {"rollout": 0, "reward": 0, "training": 0, "transition": 0}
-        for rid in set(self.owner.values()):
-            gpus = len(self.topology.gpus_of(rid))
-            count["transition" if rid in self.shifting else role_of(rid)] += gpus
-        count["idle"] = self.topology.num_gpus - sum(count.values())
-        return count
-
-    def _log_allocation(self) -> None:
-        a = self.allocation()
-        key = (a["rollout"], a["reward"], a["training"], a["idle"], a["transition"])
-        if key != self._allocation:
-            self._allocation = key
-            self.telemetry.allocation(
-                self.cluster.now(), **{f"{role}_gpus": n for role, n in a.items()}
             )

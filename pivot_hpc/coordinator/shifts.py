@@ -1,0 +1,290 @@
+"""Shift execution (paper §5.2, §6.2): the coordinator's GPUs changing roles.
+
+A shift down first aborts the replica's sequences on the cluster (their tokens come back),
+updates the scheduler and lets Alg. 3 re-dispatch them; a shift up waits until its GPUs
+are free (their previous occupants finished shifting down), then the replica loads
+weights from GPS and Alg. 4 fills and balances it. This object holds what is in motion —
+which replica owns or is shifting on each GPU, the shift-ups waiting for GPUs, each
+rollout replica's policy version — and logs every shift, migration, plan and allocation.
+It works on its coordinator's schedulers, cluster and RL state (`c`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from pivot_hpc.coordinator.events import ShiftDone
+from pivot_hpc.coordinator.monitor import ShiftClock
+from pivot_hpc.coordinator.rl_state import ConservationError
+from pivot_hpc.planner import ShiftPlan, role_of
+from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
+from pivot_hpc.scheduler import MigrationResult
+
+if TYPE_CHECKING:
+    from pivot_hpc.coordinator.coordinator import Coordinator
+
+
+class ShiftExecutor:
+    def __init__(self, coordinator: Coordinator, clock: ShiftClock | None) -> None:
+        self.c = coordinator
+        self.clock = clock  # τ_shift refit from the shifts measured here (None: off)
+        self.owner: dict[int, str] = {}  # GPU -> replica holding or shifting on it
+        self.shifting: dict[str, str] = {}  # rid -> "up" | "down"
+        self.pending_up: list[str] = []  # replicas waiting for their GPUs to free
+        # Policy version each rollout replica decodes with: set when its load is requested,
+        # because a replica applies a weight update before it decodes anything else.
+        self.replica_version: dict[str, int] = {}
+        self.up_version: dict[str, int] = {}  # version a shifting-up replica reads
+        self.plan_of: dict[str, tuple[int, float, float]] = {}  # rid -> plan id, φ, benefit
+        self.plan_id = 0
+        self._allocation: tuple[int, ...] | None = None
+        self._arrived: dict[str, list[str]] = {}  # replicas up, waiting for Alg. 4
+        self._shift_t0: dict[str, float] = {}  # rid -> when its shift was requested
+        self.hold_dispatch = False  # see take_down
+
+    def gpus_free(self, rid: str) -> bool:
+        return all(g not in self.owner for g in self.c.topology.gpus_of(rid))
+
+    def request_up(self, rids: Iterable[str]) -> None:
+        for rid in rids:
+            if rid in self.shifting or self._is_up(rid):
+                raise ConservationError(f"{rid} is already up or shifting")
+            self.pending_up.append(rid)
+        self._start_pending()
+
+    def _is_up(self, rid: str) -> bool:
+        if role_of(rid) == TRAINING:
+            return self.c.training.holds(rid)
+        return rid in self.c.schedulers[role_of(rid)].replicas
+
+    def _start_pending(self) -> None:
+        waiting = []
+        for rid in self.pending_up:
+            if not self.gpus_free(rid):
+                waiting.append(rid)
+                continue
+            for g in self.c.topology.gpus_of(rid):
+                self.owner[g] = rid
+            self.shifting[rid] = "up"
+            self.up_version[rid] = self.c.rl.version
+            self._shift_t0[rid] = self.c.cluster.now()
+            self.c.cluster.shift_up(rid, self.c.rl.version)
+        self.pending_up = waiting
+
+    def take_down(self, rids: Iterable[str]) -> None:
+        """Shift replicas down: abort + migrate their sequences (Alg. 3), then release GPUs."""
+        by_role: dict[str, list[str]] = defaultdict(list)
+        now = self.c.cluster.now()
+        for rid in rids:
+            if rid in self.shifting:
+                raise ConservationError(f"{rid} is already shifting")
+            by_role[role_of(rid)].append(rid)
+            self._shift_t0[rid] = now  # its GPUs are lost from here (aborts included)
+        for role, group in by_role.items():
+            if role == TRAINING:
+                if self.c.training.busy:
+                    raise ConservationError("training cannot shift down while it trains")
+                for rid in group:
+                    if not self.c.training.holds(rid):
+                        raise ConservationError(f"{rid} shifts down but training does not hold it")
+                    if rid == TRAINING:
+                        self.c.training.active = False
+                    else:
+                        self.c.training.extensions.discard(rid)
+                    self.shifting[rid] = "down"
+                    self.c.cluster.shift_down(rid)
+                continue
+            sched = self.c.schedulers[role]
+            t0 = time.perf_counter()
+            where = {seq.seq_id: rid for rid in group for seq in sched.running_on(rid)}
+            lengths, finished = {}, []
+            for seq_id, length in self.c.cluster.abort(where).items():
+                if length is None:  # it finished before the abort reached it
+                    finished.append(self.c.cluster.take_finished(role, seq_id))
+                else:
+                    lengths[seq_id] = length
+            sched.set_lengths(lengths)
+            abort_s = time.perf_counter() - t0
+            # Late finishes leave the scheduler before it migrates the rest; nothing may be
+            # dispatched onto the replicas going down meanwhile (their finish handling
+            # dispatches), so dispatching waits until they are gone.
+            self.hold_dispatch = True
+            try:
+                for ev in finished:
+                    self.c._finish_early(ev)
+            finally:
+                self.hold_dispatch = False
+            res = sched.shift_down(group)
+            for seq_id, rid in res.dispatched:
+                self.c._start(role, rid, seq_id)
+            self._log_migration(role, "down", res, abort_s)
+            for rid in group:
+                self.shifting[rid] = "down"
+                self.c.cluster.shift_down(rid)
+            if finished:
+                for r in INFERENCE_ROLES:
+                    self.c.dispatch(r)
+
+    def on_shift_done(self, ev: ShiftDone) -> None:
+        rid = ev.rid
+        if self.shifting.pop(rid, None) != ev.kind:
+            raise ConservationError(f"unexpected shift-{ev.kind} completion of {rid}")
+        role = role_of(rid)
+        started = self._shift_t0.pop(rid, None)
+        if self.clock is not None and started is not None:
+            self.clock.observe(role, ev.kind, ev.t - started)
+            self.c.topology = dataclasses.replace(
+                self.c.topology, shift_time=self.clock.shift_times()
+            )
+        plan_id, phi, benefit = self.plan_of.pop(rid, (0, 0.0, 0.0))
+        gpus = len(self.c.topology.gpus_of(rid))
+        ph = ev.phases
+        self.c.telemetry.shift(
+            ev.t,
+            kind=ev.kind,
+            role=role,
+            replica=rid,
+            gpus=gpus,
+            plan_id=plan_id,
+            penalty=phi,
+            benefit=benefit,
+            discard_s=ph.get("discard_s", 0.0),
+            read_s=ph.get("read_s", 0.0),
+            offload_s=ph.get("offload_s", 0.0),
+            reload_s=ph.get("reload_s", 0.0),
+            total_s=sum(ph.values()),
+        )
+        if ev.kind == "down":
+            self.c.stats.shifts_down += 1
+            for g in self.c.topology.gpus_of(rid):
+                if self.owner.get(g) == rid:
+                    del self.owner[g]
+            self.replica_version.pop(rid, None)
+            self._start_pending()
+        else:
+            self.c.stats.shifts_up += 1
+            if role == TRAINING:
+                if rid == TRAINING:
+                    self.c.training.active = True
+                else:
+                    self.c.training.extensions.add(rid)
+                self.c.maybe_train()
+            else:
+                if (
+                    role == "rollout"
+                    and self.up_version.pop(rid, self.c.rl.version) < self.c.rl.version
+                ):
+                    self.c.cluster.update_weights(rid, self.c.rl.version)  # trained while it read
+                self.replica_version[rid] = self.c.rl.version
+                self._arrived.setdefault(role, []).append(rid)
+        self._log_allocation()
+
+    def activate_arrived(self) -> None:
+        """Alg. 4 once per role for every replica that finished shifting up at this instant."""
+        if self.c.draining:
+            return  # they stay idle; a resumed run starts its own allocation
+        arrived, self._arrived = self._arrived, {}
+        for role, rids in arrived.items():
+            sched = self.c.schedulers[role]
+            if sched.n_running:
+                sched.set_lengths(self.c.cluster.lengths(role))
+            spec = self.c.topology.roles[role]
+            t0 = time.perf_counter()
+            res = sched.shift_up([(rid, self.c.capacity[role], spec.model) for rid in rids])
+            plan_s = time.perf_counter() - t0
+            # Net effect of the moves: the cluster stops a moved sequence where it runs and
+            # starts it where it ends up (it may have moved twice within one migration).
+            moving, starts = res.net_moves()
+            t1 = time.perf_counter()
+            lengths, finished = {}, []
+            for seq_id, length in self.c.cluster.abort(moving).items():
+                if length is None:  # finished on its source before the abort reached it
+                    finished.append(self.c.cluster.take_finished(role, seq_id))
+                else:
+                    lengths[seq_id] = length
+            abort_s = time.perf_counter() - t1 + plan_s
+            if lengths:
+                sched.set_lengths(lengths)
+            for ev in finished:  # the scheduler already moved it: finish it where it is now
+                self.c._finish_early(dataclasses.replace(ev, rid=sched.location(ev.seq_id)))
+            done = {ev.seq_id for ev in finished}
+            for seq_id, dst in starts.items():
+                if seq_id not in done:
+                    self.c._start(role, dst, seq_id)
+            self._log_migration(role, "up", res, abort_s)
+
+    def _log_migration(self, role: str, kind: str, res: MigrationResult, abort_s: float) -> None:
+        moved = len(res.dispatched)
+        if not moved and not res.aborted:
+            return
+        self.c.stats.migrated += len(res.aborted)
+        per_dst: dict[str, int] = defaultdict(int)
+        sched = self.c.schedulers[role]
+        for seq_id, dst in dict(res.dispatched).items():
+            if seq_id in sched:  # (not if it finished before its abort landed)
+                per_dst[dst] += sched.sequence(seq_id).length
+        reprefill = max(
+            (self.c.cluster.prefill_time(role, n) for n in per_dst.values()), default=0.0
+        )
+        self.c.telemetry.migration(
+            self.c.cluster.now(),
+            role=role,
+            kind=kind,
+            sequences=moved,
+            abort_s=abort_s,
+            dispatch_s=res.dispatch_s + res.migrate_s,
+            reprefill_s=reprefill,
+        )
+
+    def idle(self) -> bool:
+        """No shift in flight or waiting: the allocation is what the schedulers say."""
+        return not self.shifting and not self.pending_up
+
+    def execute(self, plan: ShiftPlan) -> None:
+        """Log a planner decision and carry it out (shift down first, then up)."""
+        self.plan_id += 1
+        self.c.stats.plans += 1
+        t = plan.timings
+        self.c.telemetry.planner(
+            self.c.cluster.now(),
+            plan_id=self.plan_id,
+            strategy=plan.strategy,
+            up_role=plan.up_role or "",
+            n_up=len(plan.up),
+            n_down=len(plan.down),
+            candidates=len(plan.candidates),
+            preprocess_s=t.preprocess_s,
+            construct_s=t.construct_s,
+            simulate_s=t.simulate_s,
+            benefit=plan.benefit,
+            throughput_current=plan.throughput_current,
+            throughput_expected=plan.throughput_expected,
+        )
+        if plan.is_noop:
+            return
+        for rid in plan.up + plan.down:
+            self.plan_of[rid] = (self.plan_id, plan.penalty, plan.benefit)
+        self.take_down(plan.down)
+        self.request_up(plan.up)
+        self._log_allocation()
+
+    def allocation(self) -> dict[str, int]:
+        count = {"rollout": 0, "reward": 0, "training": 0, "transition": 0}
+        for rid in set(self.owner.values()):
+            gpus = len(self.c.topology.gpus_of(rid))
+            count["transition" if rid in self.shifting else role_of(rid)] += gpus
+        count["idle"] = self.c.topology.num_gpus - sum(count.values())
+        return count
+
+    def _log_allocation(self) -> None:
+        a = self.allocation()
+        key = (a["rollout"], a["reward"], a["training"], a["idle"], a["transition"])
+        if key != self._allocation:
+            self._allocation = key
+            self.c.telemetry.allocation(
+                self.c.cluster.now(), **{f"{role}_gpus": n for role, n in a.items()}
+            )
