@@ -161,9 +161,10 @@ def fit_throughput_model(
             A, K = _nonneg_lstsq(np.column_stack([tok, np.ones_like(y)]), y)
             model = ThroughputModel(A=float(A), B=float(max(K, 1e-12)), C=0.0, D=0.0)
         else:
-            model = ThroughputModel(A=float(A), B=float(C * b), C=float(C), D=float(max(D, 0.0)))
-            if model.B + model.D <= 0:
-                model = ThroughputModel(A=model.A, B=model.B, C=model.C, D=1e-12)
+            B, D = float(C * b), float(max(D, 0.0))
+            if B + D <= 0:  # (b = 0 and no intercept: a step still takes time)
+                D = 1e-12
+            model = ThroughputModel(A=float(A), B=B, C=float(C), D=D)
         pred = np.array([model.latency(int(a), int(t)) for a, t in zip(n, tok, strict=True)])
         sse = float(((pred - y) ** 2).sum())
         if best is None or sse < best[0]:

@@ -60,3 +60,12 @@ def test_fit_bad_input() -> None:
         fit_throughput_model([1.0], [1], [1])
     with pytest.raises(ValueError, match="equal length"):
         fit_throughput_model([1.0] * 5, [1] * 4, [1] * 5)
+
+
+def test_fit_of_latency_proportional_to_batch_does_not_fail() -> None:
+    """Steps whose latency is C·N_seq exactly (no floor, no intercept): the b = 0 candidate
+    has B = D = 0, which is not a model; a live run once died on it mid-way."""
+    n = np.array([1, 2, 3, 4, 6, 8], dtype=float)
+    report = fit_throughput_model(1e-3 * n, n, np.zeros_like(n))
+    m = report.model
+    assert m.B + m.D > 0 and m.latency(4, 0) == pytest.approx(4e-3, rel=1e-6)
