@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pivot_hpc.planner.pairs import penalty
+from pivot_hpc.planner.pairs import group_by_occupants, penalty
 from pivot_hpc.planner.plan import CandidateEval, PlannerTimings, ShiftPlan
 from pivot_hpc.planner.planner import _Simulator, current_throughput, latency_tau
 from pivot_hpc.planner.snapshot import (
@@ -69,14 +69,6 @@ def _groups(snap: Snapshot, occupancy: dict[int, str], inputs: ElasticInputs):
     """Extension slots training does not hold, grouped by what occupies them: each group
     (slots, occupants, φ) is taken whole; cheapest φ per slot first, then slot order."""
     topo, held = snap.topology, snap.training.extensions
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
     slots = []
     for s, gpus in sorted(topo.elastic.items()):
         rid = replica_id(TRAINING, s)
@@ -85,20 +77,8 @@ def _groups(snap: Snapshot, occupancy: dict[int, str], inputs: ElasticInputs):
         occ = {occupancy[g] for g in gpus if g in occupancy}
         if any(role_of(o) == TRAINING for o in occ):
             continue  # (another extension's GPUs: not a slot of this layout)
-        slots.append(rid)
-        parent.setdefault(rid, rid)
-        for o in occ:
-            parent.setdefault(o, o)
-            a, b = find(rid), find(o)
-            if a != b:
-                parent[b] = a
-    groups: dict[str, tuple[list[str], list[str]]] = {}
-    for rid in slots:
-        groups.setdefault(find(rid), ([], []))[0].append(rid)
-    for node in parent:
-        if role_of(node) != TRAINING:
-            groups[find(node)][1].append(node)
-    out = [(ups, sorted(downs), penalty(snap, downs)) for ups, downs in groups.values()]
+        slots.append((rid, occ))
+    out = [(ups, downs, penalty(snap, downs)) for ups, downs in group_by_occupants(slots)]
     out.sort(key=lambda g: (g[2] / len(g[0]), g[0][0]))
     return out
 

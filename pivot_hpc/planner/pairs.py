@@ -30,12 +30,12 @@ def penalty(snap: Snapshot, down: list[str]) -> float:
     return sum(topo.tau(role_of(rid)) * replica_throughput(snap, rid) for rid in down)
 
 
-def shift_pairs(snap: Snapshot, up_role: str, occupancy: dict[int, str]) -> list[ShiftPair]:
-    """Disjoint shift pairs for `up_role`, sorted by ascending penalty (ties: slot order)."""
-    spec = snap.topology.roles[up_role]
-    active = snap.schedulers[up_role].replicas
-    busy_training = snap.training.busy
-
+def group_by_occupants(
+    slots: list[tuple[str, set[str]]],
+) -> list[tuple[list[str], list[str]]]:
+    """Slots (id, the replicas occupying its GPUs) grouped into connected components of
+    the slot–occupant graph: (slots in the given order, their occupants sorted). Taking
+    any slot of a group means shifting down every occupant of the group."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -46,7 +46,29 @@ def shift_pairs(snap: Snapshot, up_role: str, occupancy: dict[int, str]) -> list
             parent[x], x = root, parent[x]
         return root
 
-    eligible: list[tuple[int, str]] = []
+    for rid, occupants in slots:
+        parent.setdefault(rid, rid)
+        for occ in occupants:
+            parent.setdefault(occ, occ)
+            ra, rb = find(rid), find(occ)
+            if ra != rb:
+                parent[rb] = ra
+    slot_ids = {rid for rid, _ in slots}
+    groups: dict[str, tuple[list[str], set[str]]] = {}
+    for rid, _ in slots:
+        groups.setdefault(find(rid), ([], set()))[0].append(rid)
+    for node in parent:
+        if node not in slot_ids:  # an occupant, not a slot
+            groups[find(node)][1].add(node)
+    return [(ups, sorted(downs)) for ups, downs in groups.values()]
+
+
+def shift_pairs(snap: Snapshot, up_role: str, occupancy: dict[int, str]) -> list[ShiftPair]:
+    """Disjoint shift pairs for `up_role`, sorted by ascending penalty (ties: slot order)."""
+    spec = snap.topology.roles[up_role]
+    active = snap.schedulers[up_role].replicas
+    busy_training = snap.training.busy
+    eligible: list[tuple[str, set[str]]] = []
     for slot in sorted(spec.slots):
         rid = replica_id(up_role, slot)
         if rid in active:
@@ -54,24 +76,7 @@ def shift_pairs(snap: Snapshot, up_role: str, occupancy: dict[int, str]) -> list
         occupants = {occupancy[g] for g in spec.slots[slot] if g in occupancy}
         if busy_training and any(role_of(o) == TRAINING for o in occupants):
             continue
-        eligible.append((slot, rid))
-        parent.setdefault(rid, rid)
-        for occ in occupants:
-            parent.setdefault(occ, occ)
-            ra, rb = find(rid), find(occ)
-            if ra != rb:
-                parent[rb] = ra
-
-    groups: dict[str, tuple[list[str], set[str]]] = {}
-    for _slot, rid in eligible:
-        groups.setdefault(find(rid), ([], set()))[0].append(rid)
-    for node in parent:
-        if role_of(node) != up_role:  # an occupant, not a slot
-            groups[find(node)][1].add(node)
-
-    pairs = []
-    for ups, downs in groups.values():
-        down = sorted(downs)
-        pairs.append((penalty(snap, down), ups, down))
+        eligible.append((rid, occupants))
+    pairs = [(penalty(snap, down), ups, down) for ups, down in group_by_occupants(eligible)]
     pairs.sort(key=lambda p: (p[0], p[1][0]))
     return [ShiftPair(up=ups, down=down, penalty=phi) for phi, ups, down in pairs]
