@@ -17,6 +17,10 @@ class ConfigError(PivotError, ValueError):
     """A config value is missing, unknown, of the wrong type, or inconsistent."""
 
 
+class PlacementError(PivotError, RuntimeError):
+    """The GPUs a launcher shows a rank do not fit the config (runtime/devices.py)."""
+
+
 def fail(path: str, value: object, why: str) -> NoReturn:
     """Raise the standard config error: key path, offending value, and what to do instead.
     (Here, on the ground floor, so that every component's config dataclass can use it.)"""

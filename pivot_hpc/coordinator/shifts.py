@@ -14,22 +14,42 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
-from pivot_hpc.coordinator.events import ShiftDone
+from pivot_hpc.coordinator.cluster import Cluster
+from pivot_hpc.coordinator.events import SequenceFinished, ShiftDone
 from pivot_hpc.coordinator.monitor import ShiftClock
-from pivot_hpc.coordinator.rl_state import ConservationError
-from pivot_hpc.planner import ShiftPlan, role_of
+from pivot_hpc.coordinator.rl_state import ConservationError, RLState
+from pivot_hpc.planner import ShiftPlan, Topology, TrainingState, role_of
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
-from pivot_hpc.scheduler import MigrationResult
+from pivot_hpc.scheduler import MigrationResult, Scheduler
 
-if TYPE_CHECKING:
-    from pivot_hpc.coordinator.coordinator import Coordinator
+
+class ShiftHost(Protocol):
+    """What shift execution uses of its coordinator."""
+
+    cluster: Cluster
+    topology: Topology  # replaced when τ_shift is refitted
+    schedulers: Mapping[str, Scheduler]
+    training: TrainingState
+    rl: RLState
+    capacity: Mapping[str, int]
+    telemetry: Any
+    stats: Any  # counters: shifts_up, shifts_down, plans, migrated
+    draining: bool
+
+    def dispatch(self, role: str) -> None: ...
+
+    def maybe_train(self) -> None: ...
+
+    def _start(self, role: str, rid: str, seq_id: int) -> None: ...
+
+    def _finish_early(self, ev: SequenceFinished) -> None: ...
 
 
 class ShiftExecutor:
-    def __init__(self, coordinator: Coordinator, clock: ShiftClock | None) -> None:
+    def __init__(self, coordinator: ShiftHost, clock: ShiftClock | None) -> None:
         self.c = coordinator
         self.clock = clock  # τ_shift refit from the shifts measured here (None: off)
         self.owner: dict[int, str] = {}  # GPU -> replica holding or shifting on it

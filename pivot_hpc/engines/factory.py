@@ -23,12 +23,19 @@ from pivot_hpc.errors import PivotError
 
 
 def make_inference_engine(
-    cfg: Any, role: str, model_dir: str | Path, *, seed: int, slot: int = 0
+    cfg: Any,
+    role: str,
+    model_dir: str | Path,
+    *,
+    seed: int,
+    slot: int = 0,
+    reclaim_signals: Callable[[], object] | None = None,
 ) -> InferenceEngine:
     """The engine of `role` ("rollout" or "reward") for the model in `model_dir`.
 
     `slot`: node-local index of the replica's first GPU (the leader's own); `hf` ignores it
-    (its worker sees one GPU, runtime/devices.py).
+    (its worker sees one GPU, runtime/devices.py). `reclaim_signals`: called once an
+    engine that takes SIGTERM over (SGLang) has given it back (the runtime's stop handler).
     """
     ec: InferenceEngineConfig = getattr(cfg.engines, role)
     rc = getattr(cfg, role)  # InferenceRoleConfig: tp, kv_capacity_tokens
@@ -41,6 +48,7 @@ def make_inference_engine(
             kv_capacity_tokens=rc.kv_capacity_tokens,
             slot=slot,
             seed=seed,
+            reclaim_signals=reclaim_signals,
         )
     from pivot_hpc.engines.hf_engine import HFEngine
     from pivot_hpc.models.zoo import load_model
@@ -135,19 +143,19 @@ def make_sglang_engine(
     seed: int,
     api: Any = None,
     free_memory: Callable[[str | None], list[int]] | None = None,
+    reclaim_signals: Callable[[], object] | None = None,
 ) -> InferenceEngine:
     """Start one SGLang Engine over GPUs [slot, slot + tp) of this node (this process
     becomes the replica leader) and wrap it. `api` replaces the sglang imports and
     `free_memory` the NVML query (tests)."""
     from pivot_hpc.engines import sglang_launch as launch
     from pivot_hpc.engines.sglang_engine import SGLangEngine, load_sglang_api
-    from pivot_hpc.runtime.devices import replica_gpus
 
     key = f"engines.{role}"
     api = api or load_sglang_api(f"{key}.engine")
     max_pos, eos = model_limits(model_dir)
     max_seq_len = ec.max_seq_len or max_pos
-    visible = replica_gpus(slot, tp, f"{role}.tp")
+    visible = launch.replica_gpus(slot, tp, f"{role}.tp")
     ports = launch.engine_ports(ec.port_base, slot, config_key=f"{key}.port_base")
     fraction = ec.mem_fraction_static
     if fraction is None:
@@ -185,4 +193,5 @@ def make_sglang_engine(
         abort_timeout_s=ec.abort_timeout_s,
         idle_timeout_s=ec.idle_timeout_s,
         config_key=key,
+        reclaim_signals=reclaim_signals,
     )

@@ -26,7 +26,8 @@ release's source (paths under python/sglang/srt/):
   the event loop (`auto_create_handle_loop`, managers/tokenizer_manager.py:2440-2459); its
   SIGTERM handler drains and exits the process, which would skip the checkpoint a
   preempted job owes (runtime/stop.py). The adapter creates that loop at once and takes
-  SIGTERM back (`loop.remove_signal_handler`, then `stop.reinstall()`); SIGQUIT stays
+  SIGTERM back (`loop.remove_signal_handler`, then `reclaim_signals`: the worker passes
+  `stop.reinstall`); SIGQUIT stays
   SGLang's: it is how a dying scheduler child takes the rank down.
 - Idle: "every request finished" is not "the scheduler is idle" (the overlap loop keeps the
   last batch one more step, managers/scheduler.py:2061-2131), and
@@ -80,7 +81,7 @@ import itertools
 import shutil
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,6 @@ from pivot_hpc.engines.base import (
     check_new_sequence,
 )
 from pivot_hpc.engines.sglang_weights import bucket_nbytes, plan_buckets, serialized_buckets
-from pivot_hpc.runtime import stop
 
 SGLANG_VERSION = "0.5.23"
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
@@ -205,8 +205,10 @@ class SGLangEngine:
         idle_timeout_s: float = 60.0,
         config_key: str = "engines.<role>",
         shm_dir: str | Path = "/dev/shm",
+        reclaim_signals: Callable[[], object] | None = None,
     ) -> None:
         self.engine = engine
+        self.reclaim_signals = reclaim_signals  # our SIGTERM handler back (runtime/stop.py)
         self.api = api
         self.tp_size = tp_size
         self.max_batch = max_batch
@@ -499,7 +501,10 @@ class SGLangEngine:
     def _reclaim_sigterm(self) -> None:
         """Take SIGTERM back from SGLang's event loop if it holds it (module docstring)."""
         if self._loop.remove_signal_handler(signal.SIGTERM):
-            stop.reinstall()
+            if self.reclaim_signals is not None:
+                self.reclaim_signals()
+            else:  # nobody to give it to: the default action (the process ends)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def _until_idle(self, why: str) -> None:
         """Retry flush_cache() until the scheduler is idle (it succeeds only then); the

@@ -26,10 +26,10 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 
-from pivot_hpc.errors import PivotError
+from pivot_hpc.errors import PivotError, PlacementError
 
 PORTS_PER_SLOT = 16
 GIB = 1 << 30
@@ -166,3 +166,34 @@ def check_balanced(free: list[int], *, config_key: str) -> None:
             f"({', '.join(f'{b / GIB:.1f}' for b in free)} GiB): something (a training context "
             "not yet released, another process) holds memory on some of them"
         )
+
+
+# The node's GPUs in slot order, as runtime/devices.bind_worker_gpu found them ("": the
+# launcher bound one GPU per task): how a replica leader names its replica's GPUs.
+NODE_GPUS_ENV = "PIVOT_HPC_NODE_GPUS"
+
+
+def replica_gpus(
+    slot: int, tp: int, config_key: str, env: MutableMapping[str, str] | None = None
+) -> str | None:
+    """CUDA_VISIBLE_DEVICES for an engine over GPUs [slot, slot + tp) of this node, started
+    by the worker of `slot`; None where no GPU was bound (CPU runs, tests)."""
+    env = os.environ if env is None else env
+    if NODE_GPUS_ENV not in env:
+        return env.get("CUDA_VISIBLE_DEVICES") if tp == 1 else None
+    node = [d for d in env[NODE_GPUS_ENV].split(",") if d]
+    if not node:  # per-task binding: the worker sees its own GPU only
+        if tp == 1:
+            return env.get("CUDA_VISIBLE_DEVICES")
+        raise PlacementError(
+            f"config key '{config_key}' = {tp}: a tp > 1 replica leader must see its "
+            "replica's GPUs, but the launcher bound one GPU per task; launch with every GPU "
+            "of a node visible to each task (srun --gpus-per-node=N --gpu-bind=none) or use "
+            f"{config_key}=1"
+        )
+    if slot + tp > len(node):
+        raise PlacementError(
+            f"config key '{config_key}' = {tp}: GPUs {slot}..{slot + tp - 1} of a node with "
+            f"{len(node)} GPUs; replicas must fit on one node (cluster.gpus_per_node)"
+        )
+    return ",".join(node[slot : slot + tp])

@@ -14,7 +14,8 @@ What the launcher shows the rank decides how:
 - any other count: an error naming `cluster.gpus_per_node` (the slot would be a guess).
 
 An SGLang replica leader starts its engine over the replica's `tp` GPUs, which only it
-knows how to name: the node's list is kept in `PIVOT_HPC_NODE_GPUS` for `replica_gpus`
+knows how to name: the node's list is kept in `PIVOT_HPC_NODE_GPUS` for
+`engines.sglang_launch.replica_gpus`
 (SGLang's scheduler processes inherit CUDA_VISIBLE_DEVICES from the leader at their
 start; veRL starts its servers the same way). With per-task binding there is no such list,
 and a tp > 1 replica cannot see its GPUs: that is refused by name.
@@ -27,16 +28,12 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pivot_hpc.errors import PivotError
+from pivot_hpc.engines.sglang_launch import NODE_GPUS_ENV
+from pivot_hpc.errors import PlacementError
 
 # where each launcher puts the world rank (OpenMPI, PMIx, MPICH/PMI, srun)
 RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
-NODE_GPUS_ENV = "PIVOT_HPC_NODE_GPUS"  # the node's GPUs as the launcher showed them
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")  # one entry per GPU; reading it starts no CUDA
-
-
-class PlacementError(PivotError, RuntimeError):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,29 +100,3 @@ def bind_worker_gpu(
     env["LOCAL_RANK"] = "0"  # its index among the devices it sees
     env[NODE_GPUS_ENV] = ",".join(node)
     return Binding(rank, slot, gpu, node)
-
-
-def replica_gpus(
-    slot: int, tp: int, config_key: str, env: MutableMapping[str, str] | None = None
-) -> str | None:
-    """CUDA_VISIBLE_DEVICES for an engine over GPUs [slot, slot + tp) of this node, started
-    by the worker of `slot`; None where no GPU was bound (CPU runs, tests)."""
-    env = os.environ if env is None else env
-    if NODE_GPUS_ENV not in env:
-        return env.get("CUDA_VISIBLE_DEVICES") if tp == 1 else None
-    node = [d for d in env[NODE_GPUS_ENV].split(",") if d]
-    if not node:  # per-task binding: the worker sees its own GPU only
-        if tp == 1:
-            return env.get("CUDA_VISIBLE_DEVICES")
-        raise PlacementError(
-            f"config key '{config_key}' = {tp}: a tp > 1 replica leader must see its "
-            "replica's GPUs, but the launcher bound one GPU per task; launch with every GPU "
-            "of a node visible to each task (srun --gpus-per-node=N --gpu-bind=none) or use "
-            f"{config_key}=1"
-        )
-    if slot + tp > len(node):
-        raise PlacementError(
-            f"config key '{config_key}' = {tp}: GPUs {slot}..{slot + tp - 1} of a node with "
-            f"{len(node)} GPUs; replicas must fit on one node (cluster.gpus_per_node)"
-        )
-    return ",".join(node[slot : slot + tp])

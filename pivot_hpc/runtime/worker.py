@@ -24,6 +24,7 @@ import torch
 from mpi4py import MPI
 
 from pivot_hpc.runtime import protocol as msg
+from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.protocol import CMD, EVT
 
 LENGTHS_EVERY_S = 0.5
@@ -341,6 +342,7 @@ class Worker:
             + self.comm.Get_rank(),
             # the replica's first GPU on this node: the leader's own (runtime/devices.py)
             slot=self.comm.Get_rank() % self.cfg.cluster.ranks_per_node - 1,
+            reclaim_signals=stop.reinstall,
         )
 
     def _make_trainer(self):

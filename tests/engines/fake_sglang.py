@@ -39,6 +39,7 @@ import torch
 from pivot_hpc.engines.config import InferenceEngineConfig
 from pivot_hpc.engines.factory import make_sglang_engine
 from pivot_hpc.engines.sglang_engine import SGLangAPI, SGLangEngine
+from pivot_hpc.runtime import stop
 
 VOCAB = 50
 EOS = 49
@@ -569,9 +570,11 @@ def make_fake(
     *,
     slot: int = 1,
     free_memory: Any = None,
+    reclaim_signals: Any = stop.reinstall,
     **ec_kw: Any,
 ) -> tuple[SGLangEngine, FakeSGLangEngine]:
-    """The adapter over a fresh fake, built by the real factory."""
+    """The adapter over a fresh fake, built by the real factory (given our stop handler
+    back as the worker gives it)."""
     ec_kw = {"max_batch": 8, "stream_interval": 2, "poll_s": 0.001, **ec_kw}
     ec = InferenceEngineConfig(engine="sglang", **ec_kw)
     eng = make_sglang_engine(
@@ -584,6 +587,7 @@ def make_fake(
         seed=7,
         api=FAKE_API,
         free_memory=free_memory or NODE.free_memory,
+        reclaim_signals=reclaim_signals,
     )
     return eng, eng.engine
 

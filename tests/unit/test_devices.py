@@ -8,8 +8,9 @@ import signal
 
 import pytest
 
+from pivot_hpc.engines.sglang_launch import replica_gpus
 from pivot_hpc.runtime import devices, stop
-from pivot_hpc.runtime.devices import NODE_GPUS_ENV, PlacementError, bind_worker_gpu, replica_gpus
+from pivot_hpc.runtime.devices import NODE_GPUS_ENV, PlacementError, bind_worker_gpu
 
 PER_NODE = 5  # 4 GPUs + the host rank
 
