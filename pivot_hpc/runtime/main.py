@@ -6,6 +6,10 @@ workers        serve commands, shift roles, run engines
 
 Any rank that raises brings the whole world down (COMM_WORLD.Abort) with its traceback
 printed first — never a hang.
+
+Imports inside functions are deliberate: torch, mpi4py, megatron and transformers load
+only after the MPI thread level is set and library noise is routed to the rank's log, and
+each rank loads only what its part needs (a host rank never builds an engine).
 """
 
 from __future__ import annotations
@@ -18,8 +22,23 @@ import time
 import traceback
 from pathlib import Path
 
+from pivot_hpc.checkpoint import store
 from pivot_hpc.config import Config, to_dict
+from pivot_hpc.data.arithmetic import problems
+from pivot_hpc.data.loaders import Columns, usable_problems
 from pivot_hpc.errors import PivotError
+from pivot_hpc.models.config import cache_root
+from pivot_hpc.runtime import stop
+from pivot_hpc.runtime.library_noise import route_to_log
+from pivot_hpc.runtime.protocol import CMD
+from pivot_hpc.runtime.step_log import (
+    filtered_summary,
+    mismatch_summary,
+    monitor_summary,
+    step_scalars,
+)
+from pivot_hpc.runtime.world import check_launch, layout
+from pivot_hpc.tracking import open_trackers
 
 
 def _free_port() -> int:
@@ -65,10 +84,6 @@ def _state_dict_loader(path: Path):
 def run_in_world(cfg: Config, run_dir: Path) -> int:
     import torch
     from mpi4py import MPI
-
-    from pivot_hpc.runtime import stop
-    from pivot_hpc.runtime.library_noise import route_to_log
-    from pivot_hpc.runtime.world import check_launch, layout
 
     comm = MPI.COMM_WORLD
     route_to_log(run_dir, comm.Get_rank())
@@ -148,7 +163,6 @@ def use_profiles(cfg: Config, dirs) -> Config:
     exists (`pivot-hpc profile` writes it), else a brief profile now, cached for the next
     run (a new config: the validated one is not changed)."""
     from pivot_hpc.engines.profile import apply_profiles, fit_samples, sweep, write_profile
-    from pivot_hpc.models.config import cache_root
     from pivot_hpc.models.zoo import load_model
 
     for role, path_dir, name in (("rollout", dirs[0], "policy"), ("reward", dirs[1], "genrm")):
@@ -202,7 +216,6 @@ def held_out_summary(evaluator) -> str:
 
 
 def _wait_for_stop(comm) -> int:
-    from pivot_hpc.runtime.protocol import CMD
 
     while not comm.Iprobe(source=0, tag=CMD):
         time.sleep(0.05)
@@ -210,7 +223,6 @@ def _wait_for_stop(comm) -> int:
 
 
 def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
-    from pivot_hpc.checkpoint import store
 
     found = store.find_resume(run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume)
     if found is None:
@@ -221,7 +233,6 @@ def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
 
 def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int:
     from pivot_hpc.coordinator import build as builder
-    from pivot_hpc.data.arithmetic import problems
     from pivot_hpc.models.tokenizer import load_tokenizer
     from pivot_hpc.runtime.live_cluster import LiveCluster
     from pivot_hpc.runtime.live_samples import LiveSamples
@@ -235,8 +246,6 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     if data.train == "synthetic":
         pool = problems(4096, seed=data.synthetic_seed, max_digits=cfg.models.max_digits)
     else:
-        from pivot_hpc.data.loaders import Columns, usable_problems
-
         columns = Columns(data.prompt_key, data.answer_key)
         pool, report = usable_problems(data.train, "rl.data.train", columns)
         print(f"pivot-hpc: {report.summary()}", flush=True)
@@ -252,19 +261,11 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     from pivot_hpc.telemetry import last_time
 
     writer = TelemetryWriter(run_dir, meta=meta, time_offset=last_time(run_dir))
-    from pivot_hpc.runtime.step_log import (
-        filtered_summary,
-        mismatch_summary,
-        monitor_summary,
-        step_scalars,
-    )
-    from pivot_hpc.tracking import open_trackers
 
     trackers = open_trackers(cfg.tracking, run_dir, config_dict)
     coord = builder.build(
         cfg, cluster=cluster, topology=topology, rl=rl, rewarder=samples.reward, telemetry=writer
     )
-    from pivot_hpc.runtime import stop
     from pivot_hpc.runtime.checkpointing import LiveCheckpointer
 
     ckpt = LiveCheckpointer(
