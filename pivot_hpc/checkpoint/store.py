@@ -49,6 +49,12 @@ RESUMABLE_KEYS = (
     "tracking.",
     "planner.interval_s",
     "models.cache_dir",
+    # the allocation: the training state (megatron dist_checkpointing) restores at whatever
+    # data parallelism the new one gives training
+    "cluster.",
+    "training.num_gpus",
+    "training.gpus",
+    "planner.elastic_training",
     # measured, not chosen: start-up profiling fills these in
     "rollout.throughput.",
     "reward.throughput.",
@@ -251,8 +257,9 @@ def check_resumable(path: Path, current: dict[str, Any]) -> dict[str, Any]:
             f"run directory {path.parent.parent} holds checkpoints of a different config "
             f"({shown}). Resume with the config it was written with ({path / 'config.yaml'}) "
             "or use a new --run-dir. Only loop.steps, checkpoint.*, tracking.*, "
-            "planner.interval_s, models.cache_dir and throughput constants may change across "
-            "a resume."
+            "planner.interval_s, models.cache_dir, the allocation (cluster.*, training.num_gpus, "
+            "training.gpus, planner.elastic_training) and throughput constants may change "
+            "across a resume."
         )
     return manifest
 

@@ -11,6 +11,11 @@ computed tensor-parallel aware. On a GPU the process group is NCCL and the optim
 state (moments and master weights) offloads to pinned host memory. Checkpoints: megatron
 dist_checkpointing, with the optimizer state (and master weights) sharded like the
 parameters they belong to, so a checkpoint loads under another TP size too.
+
+Elastic training (`planner.elastic_training`): `use_data_parallel` makes the next steps
+data parallel over a group of replicas that changes between steps, and a replica that
+joins takes the others' optimizer state in canonical form (`optimizer_state`,
+`load_optimizer_state`; it travels through GPS, runtime/elastic.py).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pivot_hpc.rl.grpo import resolve_loss, rollout_correction, sft_loss
 
 PAD_ID = 0
 MASTER_KEY = "fp32_param"  # checkpoint key of the master weights (bf16 models only)
+OPT_MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state
 
 
 class MegatronTrainEngine:
@@ -75,6 +81,8 @@ class MegatronTrainEngine:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self._explicit_dp = False  # use_data_parallel: our group, our gradient reduction
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed)
             gpt = build_gpt_model(model_cfg, self.tp, self.dtype)
@@ -122,12 +130,21 @@ class MegatronTrainEngine:
                 if self._master is not None:
                     # masters take the source precision, not the bf16-rounded parameter
                     i = index[id(p)]
-                    dst = self._host_master[i] if self.optimizer_offloaded else self._master[i]
-                    dst.copy_(shard[name].float())
+                    src = shard[name].float()
+                    if self.optimizer_offloaded:
+                        self._host_master[i].copy_(src)
+                    elif self._master[i].numel() != p.numel():  # discarded (discard_optimizer)
+                        self._master[i].data = src.to(self.device, copy=True)
+                    else:
+                        self._master[i].copy_(src)
 
     def export_weights(self) -> Tensors:
         """Canonical HF tensors on every rank (shards all-gathered over tensor parallelism)."""
-        own = {k: v.detach() for k, v in self.gpt.named_parameters()}
+        return self._canonical({k: v.detach() for k, v in self.gpt.named_parameters()})
+
+    def _canonical(self, own: dict[str, torch.Tensor]) -> Tensors:
+        """Megatron-named tensors shaped like this rank's parameters → canonical HF tensors
+        (gathered over tensor parallelism; collective over the TP group)."""
         if self.tp == 1:
             return megatron_to_hf([{k: v.cpu() for k, v in own.items()}], self.model_cfg)
         shards: list[Tensors] = [{} for _ in range(self.tp)]
@@ -242,6 +259,19 @@ class MegatronTrainEngine:
         if self.dp > 1:
             dist.all_reduce(n, group=self.dp_group)
         return float(n[0].item()), float(n[1].item())
+
+    def _reduce_gradients(self) -> None:
+        """Data-parallel gradient reduction: megatron's own over its data-parallel group,
+        or with `use_data_parallel` the same arithmetic (scale by 1/dp, then sum) over the
+        step's group — so a step over the same replicas gives the same update."""
+        if not self._explicit_dp:
+            self.model.finish_grad_sync()
+            return
+        if self.dp == 1:
+            return
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            buf.grad_data.mul_(1.0 / self.dp)
+            dist.all_reduce(buf.grad_data, group=self.dp_group)
 
     def _mismatch(
         self, batch: TrainBatch, trainer_old: list[list[float]]
@@ -361,7 +391,7 @@ class MegatronTrainEngine:
             value.backward()
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        self.model.finish_grad_sync()
+        self._reduce_gradients()
         for p, q in zip(self.params, self._opt_params, strict=True):
             q.grad = p.main_grad.to(q.dtype) if p.main_grad.dtype != q.dtype else p.main_grad
         grad_norm = self._grad_norm()
@@ -388,6 +418,94 @@ class MegatronTrainEngine:
         if batch.versions:
             metrics["staleness"] = sum(self.version - 1 - v for v in batch.versions) / len(batch)
         return metrics
+
+    # ---------------------------------------------- elastic data parallelism
+    def use_data_parallel(self, group, size: int, rank: int) -> None:
+        """Train the next steps data parallel over `group` — `size` replicas, this rank's
+        being number `rank` — instead of megatron's data-parallel group (elastic training
+        changes its replicas between steps; runtime/elastic.py builds the groups). `group`
+        may be None when `size` is 1."""
+        if size > 1 and group is None:
+            raise ValueError("use_data_parallel: a group of more than one replica needs a group")
+        self._explicit_dp = True
+        self.dp_group, self.dp, self.dp_rank = group, size, rank
+
+    def optimizer_kinds(self) -> tuple[str, ...]:
+        """The kinds of optimizer state `optimizer_state` returns."""
+        return ("exp_avg", "exp_avg_sq", "master") if self._master is not None else OPT_MOMENTS
+
+    def optimizer_state(self) -> dict[str, Tensors]:
+        """AdamW's moments ("exp_avg", "exp_avg_sq") and, for a model that is not fp32, the
+        fp32 master weights ("master") as canonical HF tensors, wherever they are (device,
+        or host memory while offloaded); a parameter never stepped has zero moments, as
+        AdamW would create them. Collective over the TP group (shards are gathered);
+        `optimizer_step` is the step count they belong to."""
+        names = {id(p): n for n, p in self.gpt.named_parameters()}
+        # (parameters released to GPS keep their shapes here)
+        shapes = {id(p): shape for p, shape in self._released or []}
+        host = self._host_optimizer_state
+        out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in self.optimizer_kinds()}
+        for i, (p, q) in enumerate(zip(self.params, self._opt_params, strict=True)):
+            st = (host.get(id(q)) if host is not None else self.optimizer.state.get(q)) or {}
+            name = names[id(p)]
+            for k in OPT_MOMENTS:
+                v = st.get(k)
+                zero = torch.zeros(shapes.get(id(p), p.shape), dtype=torch.float32)
+                out[k][name] = (v if v is not None else zero).detach()
+            if self._master is not None:
+                master = self._host_master[i] if self._host_master is not None else self._master[i]
+                out["master"][name] = master.detach()
+        dev = {k: {n: t.to(self.device) for n, t in v.items()} for k, v in out.items()}
+        return {k: self._canonical(v) for k, v in dev.items()}
+
+    @property
+    def optimizer_step(self) -> int:
+        """AdamW's step count (every parameter has the same; 0 before the first step)."""
+        host = self._host_optimizer_state
+        states = host.values() if host is not None else self.optimizer.state.values()
+        steps = {int(st["step"].item()) for st in states if "step" in st}
+        if len(steps) > 1:
+            raise RuntimeError(f"parameters have different optimizer steps {steps}")
+        return steps.pop() if steps else 0
+
+    def load_optimizer_state(self, state: dict[str, Tensors], *, step: int, version: int) -> None:
+        """Take the state another data-parallel replica published (`optimizer_state`'s
+        canonical tensors, AdamW step `step`, policy `version`): a replica that joins the
+        step continues exactly where the others are. Parameters come from `load_weights`."""
+        missing = set(self.optimizer_kinds()) - set(state)
+        if missing:
+            raise KeyError(f"load_optimizer_state: no {sorted(missing)}")
+        shards = {
+            k: hf_to_megatron(state[k], self.model_cfg, self.tp_rank, self.tp)
+            for k in self.optimizer_kinds()
+        }
+        names = {id(p): n for n, p in self.gpt.named_parameters()}
+        self._host_optimizer_state = self._host_master = None
+        self.optimizer.state.clear()
+        with torch.no_grad():
+            for i, (p, q) in enumerate(zip(self.params, self._opt_params, strict=True)):
+                name = names[id(p)]
+                if self._master is not None:
+                    master = shards["master"][name]
+                    self._master[i].data = master.to(self.device, torch.float32, copy=True)
+                self.optimizer.state[q] = {
+                    # AdamW keeps a non-capturable step as a CPU float32 scalar
+                    "step": torch.tensor(float(step)),
+                    **{k: shards[k][name].to(q.device, q.dtype, copy=True) for k in OPT_MOMENTS},
+                }
+        self.steps = step
+        self.version = version
+
+    def discard_optimizer(self) -> None:
+        """Drop the optimizer state (a replica leaving elastic training: the others keep
+        it, and it takes theirs again when it rejoins)."""
+        self.optimizer.state.clear()
+        self._host_optimizer_state = self._host_master = None
+        if self._master is not None:
+            for m in self._master:
+                m.data = torch.empty(0, dtype=m.dtype, device=m.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------ optimizer offload
     def offload_optimizer(self) -> None:

@@ -249,8 +249,13 @@ class GlobalParameterStorage:
         ranks: Iterable[int],
         parallelism: Parallelism,
         tensors: Mapping[str, Any],
+        *,
+        version: int | None = None,
     ) -> int:
-        """Write(M, G, P): collective over the ranks of G; publishes and returns v+1.
+        """Write(M, G, P): collective over the ranks of G; publishes and returns v+1, or
+        `version` when given (it must be newer than the published one: a model that is
+        written only now and then, like the optimizer state elastic training reads, keeps
+        the version of the policy it belongs to).
 
         `tensors` holds this rank's shards (HF names, shard shapes) of every tensor its
         pipeline stage holds, as numpy arrays (bfloat16 as uint16) or torch tensors (GPU
@@ -281,7 +286,11 @@ class GlobalParameterStorage:
         assert arena is not None
         leader = i == 0
         current = comm.bcast(self.version(model) if leader else None, root=0)
-        new = current + 1
+        new = current + 1 if version is None else int(version)
+        if new <= current:
+            raise GPSError(
+                f"write of {model!r} at version {new}: version {current} is already published"
+            )
         slot = self.layout.slot_of(model, new)
         nodes = range(self.nodes.num_nodes)
         if leader:

@@ -14,7 +14,7 @@ reward with their scheduler states, and the training state. Replica ids are
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pivot_hpc.config.schema import ShiftTimes
@@ -56,6 +56,21 @@ class RoleSpec:
     model: ReplicaModel
     slots: Mapping[int, tuple[int, ...]]  # slot index -> GPU ids (only allowed slots)
     prefill_s_per_token: float = 0.0  # re-prefill cost of a migrated sequence's context
+
+
+def extension_slots(
+    num_gpus: int, training_gpus: Iterable[int], training_tp: int
+) -> dict[int, tuple[int, ...]]:
+    """Elastic training's extension slots: every aligned group of `training_tp` GPUs that
+    the training set does not touch (slot s = GPUs s·tp … s·tp+tp-1). The planner and the
+    live training world (runtime/elastic.py) both take them from here."""
+    base = set(training_gpus)
+    out = {}
+    for s in range(num_gpus // training_tp):
+        gpus = tuple(range(s * training_tp, (s + 1) * training_tp))
+        if not base & set(gpus):
+            out[s] = gpus
+    return out
 
 
 @dataclass(frozen=True)
@@ -122,17 +137,11 @@ class Topology:
             }
             prefill = (prefill_s_per_token or {}).get(name, 0.0)
             roles[name] = RoleSpec(name, t, kv_capacity[name], models[name], slots, prefill)
-        base = set(training_gpus)
         if training_tp < 1 or gpus_per_node % training_tp:
             raise SnapshotError(
                 f"training tp={training_tp} must divide gpus_per_node={gpus_per_node}"
             )
-        extensions = {}
-        if elastic:  # every aligned group of training_tp GPUs that training does not own
-            for s in range(num_gpus // training_tp):
-                gpus = tuple(range(s * training_tp, (s + 1) * training_tp))
-                if not base & set(gpus):
-                    extensions[s] = gpus
+        extensions = extension_slots(num_gpus, training_gpus, training_tp) if elastic else {}
         return cls(
             num_gpus=num_gpus,
             gpus_per_node=gpus_per_node,

@@ -3,7 +3,9 @@ messages become the coordinator's events (the same events the simulator produces
 
 Replica "<role>:<slot>" with tp GPUs maps to the worker ranks of those GPUs; its first
 rank (the leader) runs the replica's engine and gets its sequences (the `hf` engine has
-tp = 1; an `sglang` engine spans the replica's GPUs). "training" is the fixed training set.
+tp = 1; an `sglang` engine spans the replica's GPUs). "training" is the fixed training set;
+with elastic training "training:<slot>" is an extension that joins the steps it is held
+for (its ranks read the set's optimizer state from GPS, runtime/elastic.py).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pivot_hpc.coordinator.events import (
 )
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.errors import PivotError
-from pivot_hpc.planner.snapshot import TRAINING, Topology, role_of
+from pivot_hpc.planner.snapshot import TRAINING, Topology, role_of, slot_of
 from pivot_hpc.runtime import protocol as msg
+from pivot_hpc.runtime.elastic import TrainingWorld
 from pivot_hpc.runtime.protocol import CMD, EVT
 from pivot_hpc.runtime.world import Layout
 
@@ -33,8 +36,12 @@ class WorkerFailed(PivotError, RuntimeError):
 
 
 class LiveCluster:
-    def __init__(self, comm, layout: Layout, topology: Topology, samples) -> None:
+    def __init__(
+        self, comm, layout: Layout, topology: Topology, samples, world: TrainingWorld
+    ) -> None:
         self.comm = comm
+        self.world = world  # the ranks that may train (runtime/elastic.py)
+        self._formed: set[tuple[int, ...]] = set()  # step member sets with process groups
         self.layout = layout
         self.topology = topology
         self.samples = samples
@@ -52,6 +59,8 @@ class LiveCluster:
         self._partial: dict[tuple[str, int], object] = {}  # aborted SeqResult, to resume
         self._shift_acks: dict[str, list[dict]] = defaultdict(list)
         self._trained: dict[int, list[dict]] = defaultdict(list)
+        self._members: dict[int, int] = {}  # step -> ranks training it
+        self._optimizer_published = -1  # policy version whose optimizer state is in GPS
         self._tokens = {"rollout": 0, "reward": 0}
         self._steps: dict[str, list[tuple[float, int, int]]] = defaultdict(list)
         self._ready: dict[int, float] = {}  # worker rank -> its start-up seconds
@@ -91,6 +100,12 @@ class LiveCluster:
     def shift_up(self, rid: str, version: int) -> None:
         ranks = self._ranks(rid)
         role = role_of(rid)
+        if role == TRAINING and rid != TRAINING and self._optimizer_published != version:
+            # an extension joins: the set's first replica publishes its optimizer state
+            # once per version (the joiners wait for it in GPS)
+            for r in self.training_ranks[: self.topology.training_tp]:
+                self._send(r, msg.PublishOptimizer(version))
+            self._optimizer_published = version
         self.rank_of[rid] = ranks
         for i, r in enumerate(ranks):
             self.role_of_rank[r] = rid
@@ -151,11 +166,20 @@ class LiveCluster:
         self._send(self._leader(rid), msg.UpdateWeights(version))
 
     def train(self, step: int, samples: Sequence[Sample], extensions: Sequence[str] = ()) -> None:
-        if extensions:  # (refused before launch: check_live_config)
-            raise RuntimeError("the live runtime does not train on elastic extensions yet")
         batch = self.samples.batch(list(samples))
-        for r in self.training_ranks:
-            self._send(r, msg.Train(step, batch))
+        members = list(self.training_ranks)
+        for rid in sorted(extensions, key=slot_of):
+            members += self._ranks(rid)
+        self._members[step] = len(members)
+        # with elastic training every step names its replicas (also the set alone), and
+        # every rank that may train forms a new set's groups first, in one order
+        named = tuple(members) if self.world.elastic else ()
+        if named and named not in self._formed:
+            self._formed.add(named)
+            for r in self.world.ranks:
+                self._send(r, msg.FormGroups(named))
+        for r in members:
+            self._send(r, msg.Train(step, batch, named))
 
     def lengths(self, role: str) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -299,8 +323,8 @@ class LiveCluster:
             case msg.Trained(step, metrics):
                 done = self._trained[step]
                 done.append(metrics)
-                if len(done) == len(self.training_ranks):
-                    del self._trained[step]
+                if len(done) == self._members[step]:
+                    del self._trained[step], self._members[step]
                     published = next(m for m in done if m.get("version") is not None)
                     self._pending.append(TrainingDone(t, step, dict(published)))
             case _:

@@ -114,13 +114,17 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         dirs = comm.bcast(dirs, root=0)
         _rendezvous(comm, cfg, lay)
         from pivot_hpc.gps import GlobalParameterStorage, ModelSpec
+        from pivot_hpc.runtime.elastic import run_optimizer_models
 
+        policy = ModelSpec.from_hf_config(dirs[0], name="policy")
         gps = GlobalParameterStorage(
             comm,
             cfg.gps,
             models={
-                "policy": ModelSpec.from_hf_config(dirs[0], name="policy"),
+                "policy": policy,
                 "genrm": ModelSpec.from_hf_config(dirs[1], name="genrm"),
+                # elastic training: the optimizer state joining replicas read
+                **run_optimizer_models(cfg, policy),
             },
             read_only=["genrm"],
         )
@@ -140,10 +144,11 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         elif lay.is_host:
             code = _wait_for_stop(comm)
         else:
-            training = [lay.rank_of_gpu(g) for g in cfg.training_gpus()]
+            from pivot_hpc.runtime.elastic import TrainingWorld
             from pivot_hpc.runtime.worker import Worker
 
-            worker = Worker(comm, gps, cfg, dirs[0], dirs[1], training)
+            world = TrainingWorld.of(cfg, lay.rank_of_gpu)
+            worker = Worker(comm, gps, cfg, dirs[0], dirs[1], world)
             worker.yield_to_coordinator()
             worker.prepare()
             code = worker.serve()
@@ -249,8 +254,10 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         columns = Columns(data.prompt_key, data.answer_key)
         pool, report = usable_problems(data.train, "rl.data.train", columns)
         print(f"pivot-hpc: {report.summary()}", flush=True)
+    from pivot_hpc.runtime.elastic import TrainingWorld
+
     samples = LiveSamples(pool, tok, cfg.rl, seed=data.synthetic_seed)
-    cluster = LiveCluster(comm, lay, topology, samples)
+    cluster = LiveCluster(comm, lay, topology, samples, TrainingWorld.of(cfg, lay.rank_of_gpu))
     rl = builder.rl_state(cfg, samples)
     restored, resume_meta = None, {}
     if resume is not None:  # before the writer: its meta records the resume

@@ -66,10 +66,29 @@ class UpdateWeights:
 
 @dataclass(frozen=True, slots=True)
 class Train:
-    """One training step on `batch` (each data-parallel rank takes its share)."""
+    """One training step on `batch` (each data-parallel rank takes its share). `members`:
+    with elastic training, the world ranks of the step's replicas in order (the training
+    set's, then the extensions'); empty: the training set's fixed data parallelism."""
 
     step: int
     batch: TrainBatch
+    members: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FormGroups:
+    """Elastic training: every rank that may train creates the data-parallel process groups
+    of a new step member set, in the order these arrive (runtime/elastic.py, StepGroups)."""
+
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishOptimizer:
+    """Elastic training: the training set's first replica writes its optimizer state to
+    GPS at policy `version`, for extensions about to join (runtime/elastic.py)."""
+
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +118,20 @@ class Stop:
     code: int
 
 
-Command = ShiftUp | ShiftDown | Start | Abort | UpdateWeights | Train | Peek | Save | Restore | Stop
+Command = (
+    ShiftUp
+    | ShiftDown
+    | Start
+    | Abort
+    | UpdateWeights
+    | Train
+    | FormGroups
+    | PublishOptimizer
+    | Peek
+    | Save
+    | Restore
+    | Stop
+)
 
 
 # ------------------------------------------------------- worker → coordinator (EVT)

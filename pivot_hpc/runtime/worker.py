@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime import stop
+from pivot_hpc.runtime.elastic import StepGroups, TrainingWorld, publish_optimizer, read_optimizer
 from pivot_hpc.runtime.protocol import CMD, EVT
 
 LENGTHS_EVERY_S = 0.5
@@ -33,12 +34,17 @@ ROLES = ("rollout", "reward")
 
 
 class Worker:
-    def __init__(self, comm, gps, cfg, policy_dir, genrm_dir, training_ranks: list[int]) -> None:
+    def __init__(self, comm, gps, cfg, policy_dir, genrm_dir, world: TrainingWorld) -> None:
         self.comm = comm
         self.gps = gps
         self.cfg = cfg
         self.dirs = {"rollout": policy_dir, "reward": genrm_dir}
-        self.training_ranks = training_ranks
+        self.world = world  # the ranks that may train (elastic training: beyond the set)
+        self.training_ranks = list(world.base)
+        rank = comm.Get_rank()
+        # a rank of an elastic extension slot: trains only in the steps it is taken for
+        self.extension = rank in world.ranks and rank not in world.base
+        self.step_groups = StepGroups(world)
         self.engines: dict[str, Any] = {}
         self.trainer = None
         self.reference = None
@@ -78,9 +84,11 @@ class Worker:
                 continue
             engine = self.engines[role] = self._make_engine(role)
             engine.release_memory(weights=True)
-        if self.comm.Get_rank() in self.training_ranks:
+        if self.comm.Get_rank() in self.world.ranks:
             self.trainer = self._make_trainer()
             self.trainer.offload_optimizer()
+            if self.extension and self.trainer.device.type == "cuda":
+                self.trainer.release_memory()  # GPS holds what it reads when it joins
             if self.cfg.rl.grpo.kl_coef > 0:  # KL reference: the frozen initial policy
                 from pivot_hpc.models.zoo import load_model
 
@@ -172,8 +180,13 @@ class Worker:
                 )
                 engine.load_weights(tensors, version)
                 self.send(msg.WeightsLoaded(version, time.perf_counter() - t0))
-            case msg.Train(step, batch):
-                self.train(step, batch)
+            case msg.Train(step, batch, members):
+                self.train(step, batch, members)
+            case msg.FormGroups(members):
+                self.step_groups.form(members, self.comm.Get_rank())
+            case msg.PublishOptimizer(version):
+                rank = self.comm.Get_rank()
+                publish_optimizer(self.gps, self.trainer, rank, self.training_ranks[0], version)
             case msg.Peek():  # checkpoint: tokens of the running sequences, undisturbed
                 engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
                 self.send(msg.Peeked(self.role, engine.snapshot() if engine is not None else []))
@@ -194,7 +207,17 @@ class Worker:
         phases: dict[str, float] = {}
         t0 = time.perf_counter()
         self.leader = leader  # (a non-leader's GPU serves the replica leader's engine)
-        if leader and role == "training":
+        if role == "training" and self.extension:  # joins: the set's policy and optimizer
+            self.trainer.resume_memory()
+            tensors, got = self.gps.read("policy", [self.comm.Get_rank()], _tp1(), device="cpu")
+            if got != version:
+                raise RuntimeError(f"training read policy v{got} from GPS, expected v{version}")
+            self.trainer.load_weights(tensors)
+            phases["read_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            read_optimizer(self.gps, self.trainer, self.comm.Get_rank(), version)
+            phases["reload_s"] = time.perf_counter() - t1
+        elif leader and role == "training":
             self.trainer.resume_memory()  # (released at shift down on a GPU)
             self.trainer.reload_optimizer()
             phases["reload_s"] = time.perf_counter() - t0
@@ -231,7 +254,12 @@ class Worker:
         self._steps = []
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
-        if self.role == "training":
+        if self.role == "training" and self.extension:  # the set keeps the state
+            self.trainer.discard_optimizer()
+            if self.trainer.device.type == "cuda":
+                self.trainer.release_memory()
+            phases["discard_s"] = time.perf_counter() - t0
+        elif self.role == "training":
             self.trainer.offload_optimizer()
             phases["offload_s"] = time.perf_counter() - t0
             if self.trainer.device.type == "cuda":  # parameters come back from GPS
@@ -244,10 +272,13 @@ class Worker:
         self.role = None
         self.send(msg.Shifted("down", phases))
 
-    def train(self, step: int, batch) -> None:
+    def train(self, step: int, batch, members: tuple[int, ...] = ()) -> None:
         # data parallelism: each DP rank trains on its share of the batch (advantages were
-        # computed over whole groups by the coordinator); gradients are averaged by DDP
-        dp, d = self.trainer.dp, self._dp_rank()
+        # computed over whole groups by the coordinator); gradients are averaged over the
+        # step's replicas (elastic training: the members it was sent with)
+        if members:
+            self.trainer.use_data_parallel(*self.step_groups.of(members))
+        dp, d = self.trainer.dp, self.trainer.dp_rank
         if dp > 1:
             batch = shard(batch, d, dp)
         if self.reference is not None:
@@ -258,6 +289,9 @@ class Worker:
             )
         metrics = self.trainer.train_step(batch)
         metrics.setdefault("loss", metrics.get("pg_loss", float("nan")))
+        if self.extension:  # the training set publishes; an extension only trains
+            self.send(msg.Trained(step, {**metrics, "version": None}))
+            return
         t0 = time.perf_counter()
         weights = self.trainer.export_weights()  # full canonical tensors (gathered over TP)
         version = None
@@ -269,11 +303,6 @@ class Worker:
             version = self.gps.write("policy", self.training_ranks[:1], _tp1(), shards)
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
         self.send(msg.Trained(step, metrics))
-
-    def _dp_rank(self) -> int:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_rank()
 
     # ---------------------------------------------------------- checkpoints
     def _rng_state(self) -> dict:
@@ -354,8 +383,8 @@ class Worker:
 
         model, _ = load_model(self.dirs["rollout"])
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["RANK"] = str(self.training_ranks.index(self.comm.Get_rank()))
-        os.environ["WORLD_SIZE"] = str(len(self.training_ranks))
+        os.environ["RANK"] = str(self.world.torch_rank(self.comm.Get_rank()))
+        os.environ["WORLD_SIZE"] = str(len(self.world.ranks))
         torch.set_num_threads(1)
         rl = self.cfg.rl
         return MegatronTrainEngine(

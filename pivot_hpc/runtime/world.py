@@ -83,11 +83,6 @@ def check_live_config(cfg: Config) -> None:
                 f"replica on one device; use {role}.tp=1, or engines.{role}.engine=sglang "
                 "for tensor-parallel replicas"
             )
-    if cfg.planner.elastic_training and cfg.deployment.mode == "pivot":
-        raise LayoutError(
-            "planner.elastic_training=true: the live runtime does not resize training's "
-            "data parallelism yet (the simulator does); set planner.elastic_training=false"
-        )
     from pivot_hpc.rl.grpo import resolve_loss
 
     resolve_loss(cfg.rl.grpo.loss_fn)  # importable here; every rank imports it again

@@ -117,3 +117,26 @@ def test_bad_layout_is_refused_before_work(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "the MPI world has 3 ranks but the config needs 5" in out.stdout + out.stderr
     assert not np.any([p.suffix == ".h5" for p in tmp_path.rglob("*")])
+
+
+def test_elastic_training_grows_live_and_resumes_at_another_dp(tmp_path: Path) -> None:
+    """planner.elastic_training live: extensions join steps (parameters and optimizer state
+    from GPS, runtime/elastic.py) and leave again; the run resumes with a training set of
+    two (DP 2) from a checkpoint written at DP 1. A small training τ_shift lets the planner
+    grow as soon as training's step time is known (the last step has no inference left)."""
+    elastic = ["planner.elastic_training=true", "planner.shift_time_s.training=0.01"]
+    out = run(tmp_path, "loop.steps=4", *elastic)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = open_run(tmp_path)
+    shifts = r["shifts"]
+    ext = np.char.startswith(shifts["replica"].astype(str), "training:")
+    assert (ext & (shifts["kind"] == "up")).any(), "no extension joined a step"
+    assert r["allocation"]["training_gpus"].max() > 1
+    assert (r["steps"]["samples"] == 16).all() and list(r["steps"]["version"]) == [1, 2, 3, 4]
+    # the next allocation: a training set of two, extensions beyond it
+    out = run(tmp_path, "loop.steps=6", "training.num_gpus=2", *elastic)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "pivot-hpc: done: 6 steps" in out.stdout
+    r = open_run(tmp_path)
+    assert list(r["steps"]["version"]) == [1, 2, 3, 4, 5, 6]
+    assert r["allocation"]["training_gpus"][-1] >= 2

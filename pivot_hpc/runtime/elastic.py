@@ -1,0 +1,188 @@
+"""Elastic training live (`planner.elastic_training`, DESIGN.md §3): training's data
+parallelism changes between steps.
+
+- **The training world.** torch.distributed spans every worker that may ever train: the
+  training set's GPUs first, then each extension slot's (`extension_slots`, the planner's
+  own), so megatron's consecutive tensor-parallel groups are exactly the replicas. It is
+  made once, at start; megatron's world-wide data-parallel group is never used.
+- **A step's group.** The replicas of a step come with it (`Train.members`): each rank
+  trains data parallel over the ranks at its tensor-parallel position in those replicas.
+  Before a member set's first step every rank of the training world forms its groups
+  (`FormGroups`; ranks outside a group return at once, so inference on them goes on), and
+  the groups are kept as preserved context (§5.2). The planner picks which slots, not
+  only how many, so the groups are the member sets the run uses, not every subset.
+- **Joining.** A new replica reads the policy and the optimizer state from GPS: on request
+  (`PublishOptimizer`) the training set writes AdamW's moments — and fp32 master weights
+  when training in bf16 — as float32 models with the policy's architecture (the same
+  canonical names and tensor-parallel cuts), at the policy version they belong to. The
+  joiner waits for that version, loads it, and continues exactly where the others are;
+  a replica that leaves discards its copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pivot_hpc.config import Config
+from pivot_hpc.gps import ModelSpec, Parallelism
+from pivot_hpc.planner.snapshot import extension_slots
+
+# GPS model of each kind of optimizer state (runtime/main.py registers them)
+OPTIMIZER_MODELS = {
+    "exp_avg": "policy.exp_avg",
+    "exp_avg_sq": "policy.exp_avg_sq",
+    "master": "policy.master",
+}
+TP1 = Parallelism(tp=1, pp=1, dp=1)
+
+
+def optimizer_models(policy: ModelSpec, *, masters: bool) -> dict[str, ModelSpec]:
+    """The GPS models that carry the optimizer state: the policy's architecture in
+    float32, with fp32 master weights when `masters` (a trainer that may run in bf16)."""
+    kinds = ["exp_avg", "exp_avg_sq", *(["master"] if masters else [])]
+    return {
+        OPTIMIZER_MODELS[k]: dataclasses.replace(policy, dtype="float32", name=OPTIMIZER_MODELS[k])
+        for k in kinds
+    }
+
+
+def run_optimizer_models(cfg: Config, policy: ModelSpec) -> dict[str, ModelSpec]:
+    """A run's optimizer-state models: none without elastic training. Masters wherever
+    the trainer is not fixed to fp32 (every rank registers the same models, before it
+    knows whether it sees a GPU)."""
+    if not elastic_live(cfg):
+        return {}
+    return optimizer_models(policy, masters=cfg.rl.trainer.dtype != "fp32")
+
+
+def elastic_live(cfg: Config) -> bool:
+    return cfg.planner.elastic_training and cfg.deployment.mode == "pivot"
+
+
+@dataclass(frozen=True)
+class TrainingWorld:
+    """The ranks that may train, in torch.distributed rank order, and the training set."""
+
+    ranks: tuple[int, ...]  # world (MPI) ranks; torch rank = position
+    base: tuple[int, ...]  # the training set's ranks (always in every step)
+    tp: int
+
+    @classmethod
+    def of(cls, cfg: Config, rank_of_gpu) -> TrainingWorld:
+        """From the config: the training set alone, or with elastic training every
+        extension slot after it."""
+        base_gpus = sorted(cfg.training_gpus())
+        tp = cfg.rl.trainer.tp
+        gpus = list(base_gpus)
+        if elastic_live(cfg):
+            slots = extension_slots(cfg.cluster.total_gpus, base_gpus, tp)
+            gpus += [g for s in sorted(slots) for g in slots[s]]
+        return cls(
+            tuple(rank_of_gpu(g) for g in gpus), tuple(rank_of_gpu(g) for g in base_gpus), tp
+        )
+
+    @property
+    def elastic(self) -> bool:
+        return len(self.ranks) > len(self.base)
+
+    def torch_rank(self, rank: int) -> int:
+        return self.ranks.index(rank)
+
+
+class StepGroups:
+    """The data-parallel process groups of every member set the run has trained with.
+
+    Every rank that may train forms each new set's groups (`FormGroups`, sent to all of
+    them in the same order): torch names a group by a per-rank counter, so every rank must
+    create the same groups in the same order — a group made by its members alone gets a
+    name that depends on the groups each member made before, and the members never meet.
+    A rank outside a group returns at once, so inference on it goes on."""
+
+    def __init__(self, world: TrainingWorld) -> None:
+        self.world = world
+        self._mine: dict[tuple[int, ...], tuple[object, int, int]] = {}
+
+    def form(self, members: Sequence[int], rank: int) -> None:
+        """Create the groups of `members` (one per tensor-parallel position)."""
+        import torch.distributed as dist
+
+        members = tuple(members)
+        tp = self.world.tp
+        replicas = [members[i : i + tp] for i in range(0, len(members), tp)]
+        if len(members) % tp or len(set(members)) != len(members):
+            raise ValueError(f"step members {list(members)} are not whole replicas of {tp}")
+        for j in range(tp):
+            ranks = [self.world.torch_rank(rep[j]) for rep in replicas]
+            # one replica: nothing to reduce, no group (the same choice on every rank)
+            group = dist.new_group(ranks) if len(replicas) > 1 else None
+            for d, rep in enumerate(replicas):
+                if rep[j] == rank:
+                    self._mine[members] = (group, len(replicas), d)
+
+    def of(self, members: Sequence[int]) -> tuple[object, int, int]:
+        """(group, data-parallel size, this rank's replica index) for a step of `members`."""
+        try:
+            return self._mine[tuple(members)]
+        except KeyError:
+            raise RuntimeError(
+                f"no process group for the step members {list(members)}: FormGroups must "
+                "reach every training rank before the step"
+            ) from None
+
+
+def publish_optimizer(gps, trainer, rank: int, writer: int, version: int) -> None:
+    """Write the trainer's optimizer state to GPS at policy `version`. Called on the ranks
+    of the training set's first replica (they gather over tensor parallelism together);
+    `writer`, the first of them, writes."""
+    state = trainer.optimizer_state()  # collective over the TP group
+    if trainer.version != version or trainer.optimizer_step != trainer.steps:
+        raise RuntimeError(
+            f"optimizer state to publish at policy v{version}, but the trainer is at "
+            f"v{trainer.version} after {trainer.steps} steps (optimizer step "
+            f"{trainer.optimizer_step}): the training set and the coordinator disagree"
+        )
+    if rank != writer:
+        return
+    for kind, tensors in state.items():
+        model = OPTIMIZER_MODELS[kind]
+        if gps.version(model) >= version:
+            continue  # already published for this version
+        spec = gps.models[model]
+        shards = {t.name: tensors[t.name].float().contiguous() for t in spec.tensors}
+        gps.write(model, [rank], TP1, shards, version=version)
+
+
+def read_optimizer(gps, trainer, rank: int, version: int, timeout_s: float = 600.0) -> float:
+    """Wait until the optimizer state of policy `version` is in GPS, read it into the
+    trainer (which must hold that policy); returns the seconds spent waiting."""
+    kinds = trainer.optimizer_kinds()
+    t0 = time.monotonic()
+    backoff = 1e-3
+    while True:
+        have = [gps.version(OPTIMIZER_MODELS[k]) for k in kinds]
+        if all(v == version for v in have):
+            break
+        if any(v > version for v in have):
+            raise RuntimeError(
+                f"a training extension joins at policy v{version} but GPS holds optimizer "
+                f"state of v{max(have)}: a step ran while it shifted up"
+            )
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(
+                f"a training extension waited {timeout_s:.0f} s for the optimizer state of "
+                f"v{version} in GPS (published: {have}); the training set never wrote it"
+            )
+        time.sleep(backoff)
+        backoff = min(2 * backoff, 0.01)
+    waited = time.monotonic() - t0
+    state = {}
+    for k in kinds:
+        tensors, got = gps.read(OPTIMIZER_MODELS[k], [rank], TP1, device="cpu")
+        if got != version:
+            raise RuntimeError(f"read {OPTIMIZER_MODELS[k]} v{got}, expected v{version}")
+        state[k] = tensors
+    trainer.load_optimizer_state(state, step=version, version=version)
+    return waited
