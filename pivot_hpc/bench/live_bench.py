@@ -10,7 +10,8 @@ paper's §8.1 measure), the share of GPU time in transition, shift-ups per step.
 JSON keys (a contract): `tokens_per_s` {mode: tokens/s}, `ratio_vs_best_static` (pivot
 over the best static mode), `transition_share` (pivot's fraction of GPU-seconds in
 transition); also `steps`, `best_static`, and per mode `runs` {duration_s, shifts_up,
-shifts_up_per_step, utilisation, wall_s}.
+shifts_up_per_step, utilisation, wall_s}. `--modes …,pivot+elastic` adds pivot with
+elastic training (`planner.elastic_training=true`) and `ratio_elastic_vs_best_static`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pivot_hpc.bench.stats import table
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs/tiny.yaml"
 MODES = ("pivot", "colocated", "disaggregated", "rr_colocated")  # pivot first: the subject
+ELASTIC = "pivot+elastic"  # opt-in: pivot mode with planner.elastic_training=true
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,10 +53,10 @@ def _check(args: argparse.Namespace) -> list[str]:
     from pivot_hpc.errors import UsageError
 
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in (*MODES, ELASTIC)]
     if bad:
-        raise UsageError(f"--modes: unknown {bad}; valid: {', '.join(MODES)}")
-    if "pivot" not in modes or len(modes) < 2:
+        raise UsageError(f"--modes: unknown {bad}; valid: {', '.join((*MODES, ELASTIC))}")
+    if "pivot" not in modes or not set(modes) - {"pivot", ELASTIC}:
         raise UsageError("--modes: needs pivot and at least one static mode to compare with")
     if args.steps < 2:
         raise UsageError(f"--steps {args.steps}: needs at least 2 steps")
@@ -88,6 +90,8 @@ def run_mode(args: argparse.Namespace, mode: str, run_dir: Path) -> dict:
     from pivot_hpc.telemetry.summary import summarise
 
     overrides = [f"deployment.mode={mode}", f"loop.steps={args.steps}", "loop.eval_problems=0"]
+    if mode == ELASTIC:
+        overrides[0:1] = ["deployment.mode=pivot", "planner.elastic_training=true"]
     wall = launch(args.config, run_dir, [*overrides, *args.overrides], args.timeout_s)
     s = summarise(open_run(run_dir))
     return {
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
             print(f"bench live: {mode} ({args.steps} steps) …", flush=True)
         runs[mode] = run_mode(args, mode, root / mode)
     tps = {m: r["tokens_per_s"] for m, r in runs.items()}
-    best = max((m for m in modes if m != "pivot"), key=lambda m: tps[m])
+    best = max((m for m in modes if m not in ("pivot", ELASTIC)), key=lambda m: tps[m])
     out = {
         "steps": args.steps,
         "tokens_per_s": tps,
@@ -127,6 +131,8 @@ def run(args: argparse.Namespace) -> dict:
         "runs": runs,
         "out": str(root),
     }
+    if ELASTIC in tps:
+        out["ratio_elastic_vs_best_static"] = tps[ELASTIC] / tps[best] if tps[best] > 0 else None
     if not args.json:
         rows = [["mode", "tokens/s", "shift-ups/step", "transition", "idle", "wall s"]]
         for m, r in runs.items():
@@ -144,4 +150,6 @@ def run(args: argparse.Namespace) -> dict:
         print(table(rows))
         ratio = out["ratio_vs_best_static"]
         print(f"pivot / best static ({best}): {ratio:.2f}×; runs in {root}")
+        if ELASTIC in tps:
+            print(f"pivot+elastic / best static: {out['ratio_elastic_vs_best_static']:.2f}×")
     return out
