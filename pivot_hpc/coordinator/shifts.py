@@ -209,6 +209,13 @@ class ShiftExecutor:
             return  # they stay idle; a resumed run starts its own allocation
         arrived, self._arrived = self._arrived, {}
         for role, rids in arrived.items():
+            for rid in rids if role == "rollout" else []:
+                # a step that ended after its shift completed (the same batch of events)
+                # updated only the replicas the scheduler had: load that policy before
+                # anything is dispatched here (commands reach it in order)
+                if self.replica_version.get(rid, self.c.rl.version) < self.c.rl.version:
+                    self.c.cluster.update_weights(rid, self.c.rl.version)
+                    self.replica_version[rid] = self.c.rl.version
             sched = self.c.schedulers[role]
             if sched.n_running:
                 sched.set_lengths(self.c.cluster.lengths(role))

@@ -227,12 +227,15 @@ class LiveCluster:
         for r in ranks:
             self._send(r, cmd[r] if isinstance(cmd, dict) else cmd)
         out = {}
-        for r in ranks:
-            while True:
-                m = self.comm.recv(source=r, tag=EVT)
-                if isinstance(m, reply):
-                    out[r] = m
-                    break
+        status = MPI.Status()
+        # from any rank: a rank that fails (its `Failed`) is heard even while the others
+        # wait for it in a collective (a checkpoint's save spans every training rank)
+        while len(out) < len(ranks):
+            m = self.comm.recv(source=MPI.ANY_SOURCE, tag=EVT, status=status)
+            r = status.Get_source()
+            if isinstance(m, reply) and r in ranks and r not in out:
+                out[r] = m
+            else:
                 self._convert(m, r)
         return out
 
