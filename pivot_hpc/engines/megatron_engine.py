@@ -150,6 +150,7 @@ class MegatronTrainEngine:
         shards: list[Tensors] = [{} for _ in range(self.tp)]
         for name, t in own.items():
             # gathered where the parameters live: NCCL moves device tensors only
+            t = t.to(self.device)
             parts = [torch.empty_like(t) for _ in range(self.tp)]
             dist.all_gather(parts, t.contiguous(), group=self.tp_group)
             for r in range(self.tp):
@@ -455,8 +456,9 @@ class MegatronTrainEngine:
             if self._master is not None:
                 master = self._host_master[i] if self._host_master is not None else self._master[i]
                 out["master"][name] = master.detach()
-        dev = {k: {n: t.to(self.device) for n, t in v.items()} for k, v in out.items()}
-        return {k: self._canonical(v) for k, v in dev.items()}
+        # (host copies stay on the host: `_canonical` moves one tensor at a time where
+        # NCCL needs it, so a training set shifted down does not crowd the GPU's new role)
+        return {k: self._canonical(v) for k, v in out.items()}
 
     @property
     def optimizer_step(self) -> int:
