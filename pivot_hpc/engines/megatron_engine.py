@@ -618,9 +618,7 @@ class MegatronTrainEngine:
         model_sd = self.gpt.sharded_state_dict()
         id_map = get_param_id_to_sharded_param_map(model_sd, self.params)
         opt_sd = self.optimizer.state_dict()
-        steps = {int(v["step"].item()) for v in opt_sd["state"].values()}
-        if len(steps) > 1:
-            raise RuntimeError(f"parameters have different optimizer steps {steps}")
+        step = self.optimizer_step
         if self._master is not None:
             # master weights travel as one more per-parameter optimizer tensor, sharded
             # like the parameter (state ids are positions in self.params)
@@ -631,7 +629,7 @@ class MegatronTrainEngine:
             "model": model_sd,
             "optimizer": opt_sd,
             "engine": {
-                "optimizer_step": steps.pop() if steps else 0,
+                "optimizer_step": step,
                 "steps": self.steps,
                 "version": self.version,
             },

@@ -209,10 +209,7 @@ class Worker:
         self.leader = leader  # (a non-leader's GPU serves the replica leader's engine)
         if role == "training" and self.extension:  # joins: the set's policy and optimizer
             self.trainer.resume_memory()
-            tensors, got = self.gps.read("policy", [self.comm.Get_rank()], _tp1(), device="cpu")
-            if got != version:
-                raise RuntimeError(f"training read policy v{got} from GPS, expected v{version}")
-            self.trainer.load_weights(tensors)
+            self._load_policy_to_train(version)
             phases["read_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             read_optimizer(self.gps, self.trainer, self.comm.Get_rank(), version)
@@ -222,10 +219,7 @@ class Worker:
             self.trainer.reload_optimizer()
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            tensors, got = self.gps.read("policy", [self.comm.Get_rank()], _tp1(), device="cpu")
-            if got != version:  # training must start from the latest policy
-                raise RuntimeError(f"training read policy v{got} from GPS, expected v{version}")
-            self.trainer.load_weights(tensors)
+            self._load_policy_to_train(version)
             phases["read_s"] = time.perf_counter() - t1
         elif leader:
             if role in self.lazy_roles and role not in self.engines:
@@ -249,6 +243,13 @@ class Worker:
             phases["read_s"] = time.perf_counter() - t1
         self.role = role
         self.send(msg.Shifted("up", phases))
+
+    def _load_policy_to_train(self, version: int) -> None:
+        """The trainer takes the policy from GPS; training must start from the latest."""
+        tensors, got = self.gps.read("policy", [self.comm.Get_rank()], _tp1(), device="cpu")
+        if got != version:
+            raise RuntimeError(f"training read policy v{got} from GPS, expected v{version}")
+        self.trainer.load_weights(tensors)
 
     def shift_down(self) -> None:
         self._steps = []
