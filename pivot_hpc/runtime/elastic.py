@@ -155,9 +155,9 @@ def publish_optimizer(gps, trainer, rank: int, writer: int, version: int) -> Non
         gps.write(model, [rank], TP1, shards, version=version)
 
 
-def read_optimizer(gps, trainer, rank: int, version: int, timeout_s: float = 600.0) -> float:
-    """Wait until the optimizer state of policy `version` is in GPS, read it into the
-    trainer (which must hold that policy); returns the seconds spent waiting."""
+def read_optimizer(gps, trainer, rank: int, version: int, timeout_s: float = 600.0) -> None:
+    """Wait until the optimizer state of policy `version` is in GPS and read it into the
+    trainer (which must hold that policy)."""
     kinds = trainer.optimizer_kinds()
     t0 = time.monotonic()
     backoff = 1e-3
@@ -177,7 +177,6 @@ def read_optimizer(gps, trainer, rank: int, version: int, timeout_s: float = 600
             )
         time.sleep(backoff)
         backoff = min(2 * backoff, 0.01)
-    waited = time.monotonic() - t0
     state = {}
     for k in kinds:
         tensors, got = gps.read(OPTIMIZER_MODELS[k], [rank], TP1, device="cpu")
@@ -185,4 +184,3 @@ def read_optimizer(gps, trainer, rank: int, version: int, timeout_s: float = 600
             raise RuntimeError(f"read {OPTIMIZER_MODELS[k]} v{got}, expected v{version}")
         state[k] = tensors
     trainer.load_optimizer_state(state, step=version, version=version)
-    return waited

@@ -19,6 +19,7 @@ Rank 1 writes the measurements to OUT.json; any failed check raises (world abort
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -32,21 +33,11 @@ def main() -> None:
     from mpi4py import MPI
 
     torch.set_num_threads(1)
-    from pivot_hpc.engines.base import TrainBatch
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
     from pivot_hpc.engines.megatron_model import STORE_ENV, private_store
-    from pivot_hpc.gps import GlobalParameterStorage, GPSConfig, ModelSpec, Parallelism
+    from pivot_hpc.gps import GlobalParameterStorage, GPSConfig, ModelSpec
     from pivot_hpc.models.config import ModelConfig
     from pivot_hpc.models.qwen2 import create_model
-    from pivot_hpc.rl.config import TrainerConfig
-    from pivot_hpc.runtime.elastic import (
-        StepGroups,
-        TrainingWorld,
-        optimizer_models,
-        publish_optimizer,
-        read_optimizer,
-    )
-    from pivot_hpc.runtime.worker import shard
+    from pivot_hpc.runtime.elastic import TrainingWorld, optimizer_models
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -64,8 +55,7 @@ def main() -> None:
     hf = create_model(arch, seed=3)
     canonical = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     policy = ModelSpec.from_hf_config(hf.config.to_dict(), name="policy")
-    policy = ModelSpec(**{**policy.__dict__, "dtype": "float32"})
-    tp1 = Parallelism(tp=1, pp=1, dp=1)
+    policy = dataclasses.replace(policy, dtype="float32")
     gps = GlobalParameterStorage(
         comm,
         GPSConfig(),
@@ -79,10 +69,7 @@ def main() -> None:
         os.environ.update(
             {STORE_ENV: store, "RANK": str(world.torch_rank(rank)), "WORLD_SIZE": "2"}
         )
-        out = trainers(
-            rank, comm, gps, world, arch, canonical, tp1, TrainBatch, MegatronTrainEngine,
-            TrainerConfig, StepGroups, publish_optimizer, read_optimizer, shard,
-        )  # fmt: skip
+        out = trainers(rank, comm, gps, world, arch, canonical)
     comm.Barrier()
     gps.close()
     if rank == 1:
@@ -91,11 +78,14 @@ def main() -> None:
         print("ELASTIC-OK", flush=True)
 
 
-def trainers(
-    rank, comm, gps, world, arch, canonical, tp1, TrainBatch, MegatronTrainEngine,
-    TrainerConfig, StepGroups, publish_optimizer, read_optimizer, shard,
-) -> dict:  # fmt: skip
+def trainers(rank, comm, gps, world, arch, canonical) -> dict:
     import torch
+
+    from pivot_hpc.engines.base import TrainBatch
+    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.rl.config import TrainerConfig
+    from pivot_hpc.runtime.elastic import TP1, StepGroups, publish_optimizer, read_optimizer
+    from pivot_hpc.runtime.worker import shard
 
     groups = StepGroups(world)
     formed: set = set()
@@ -139,7 +129,7 @@ def trainers(
         """Rank 1 publishes the policy it trained and its optimizer state (runtime path)."""
         if rank == 1:
             tensors = {k: v.contiguous() for k, v in e.export_weights().items()}
-            v = gps.write("policy", [1], tp1, tensors, version=e.version)
+            v = gps.write("policy", [1], TP1, tensors, version=e.version)
             assert v == e.version
             publish_optimizer(gps, e, rank, 1, e.version)
 
@@ -148,7 +138,7 @@ def trainers(
         rank 1 published: in a run the coordinator's messages order the two)."""
         comm.sendrecv(None, dest=3 - rank, source=3 - rank)
         if rank == 2:
-            tensors, got = gps.read("policy", [2], tp1, device="cpu")
+            tensors, got = gps.read("policy", [2], TP1, device="cpu")
             assert got == version, (got, version)
             e.load_weights(tensors)
             read_optimizer(gps, e, rank, version)
