@@ -468,7 +468,7 @@ class Coordinator:
     # ----------------------------------------------------------- planner
     def snapshot(self) -> Snapshot:
         self.training.batch_ready = self.rl.batch_ready()
-        return Snapshot(self.topology, self.schedulers, self.training)
+        return Snapshot(self.topology, self.schedulers, self.training, self.shifts.unrepaid())
 
     # --------------------------------------------------------- telemetry
     def _log_throughput(self) -> None:

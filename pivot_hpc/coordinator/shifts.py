@@ -65,6 +65,10 @@ class ShiftExecutor:
         self._arrived: dict[str, list[str]] = {}  # replicas up, waiting for Alg. 4
         self._shift_t0: dict[str, float] = {}  # rid -> when its shift was requested
         self.hold_dispatch = False  # see take_down
+        # (up role, down role) -> when the last plan that moved GPUs the other way repays
+        # its penalty: its break-even φ / (T_expected − T_current) after the decision.
+        # Until then a plan that moves them back undoes a shift that has not paid (pivot+).
+        self.repaid_at: dict[tuple[str, str], float] = {}
 
     def gpus_free(self, rid: str) -> bool:
         return all(g not in self.owner for g in self.c.topology.gpus_of(rid))
@@ -295,9 +299,25 @@ class ShiftExecutor:
             return
         for rid in plan.up + plan.down:
             self.plan_of[rid] = (self.plan_id, plan.penalty, plan.benefit)
+        self._note_repayment(plan)
         self.take_down(plan.down)
         self.request_up(plan.up)
         self._log_allocation()
+
+    def _note_repayment(self, plan: ShiftPlan) -> None:
+        gain = plan.throughput_expected - plan.throughput_current
+        if plan.mandatory or plan.penalty <= 0 or gain <= 0:
+            return  # free or forced: nothing to repay
+        at = self.c.cluster.now() + plan.penalty / gain
+        for role in {role_of(rid) for rid in plan.down} - {plan.up_role}:
+            back = (role, plan.up_role)  # the reverse plan: `role` up, the up role down
+            self.repaid_at[back] = max(at, self.repaid_at.get(back, 0.0))
+
+    def unrepaid(self) -> frozenset[tuple[str, str]]:
+        """(up role, down role) shifts that would undo a plan before it has repaid φ."""
+        now = self.c.cluster.now()
+        self.repaid_at = {k: t for k, t in self.repaid_at.items() if t > now}
+        return frozenset(self.repaid_at)
 
     def allocation(self) -> dict[str, int]:
         count = {"rollout": 0, "reward": 0, "training": 0, "transition": 0}

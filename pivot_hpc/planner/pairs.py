@@ -63,8 +63,12 @@ def group_by_occupants(
     return [(ups, sorted(downs)) for ups, downs in groups.values()]
 
 
-def shift_pairs(snap: Snapshot, up_role: str, occupancy: dict[int, str]) -> list[ShiftPair]:
-    """Disjoint shift pairs for `up_role`, sorted by ascending penalty (ties: slot order)."""
+def shift_pairs(
+    snap: Snapshot, up_role: str, occupancy: dict[int, str], *, wait_repayment: bool = False
+) -> list[ShiftPair]:
+    """Disjoint shift pairs for `up_role`, sorted by ascending penalty (ties: slot order).
+    `wait_repayment` (pivot+): no pair takes GPUs from a role that a plan not yet repaid
+    moved them to from `up_role` (`Snapshot.unrepaid`)."""
     spec = snap.topology.roles[up_role]
     active = snap.schedulers[up_role].replicas
     busy_training = snap.training.busy
@@ -75,6 +79,8 @@ def shift_pairs(snap: Snapshot, up_role: str, occupancy: dict[int, str]) -> list
             continue
         occupants = {occupancy[g] for g in spec.slots[slot] if g in occupancy}
         if busy_training and any(role_of(o) == TRAINING for o in occupants):
+            continue
+        if wait_repayment and any((up_role, role_of(o)) in snap.unrepaid for o in occupants):
             continue
         eligible.append((rid, occupants))
     pairs = [(penalty(snap, down), ups, down) for ups, down in group_by_occupants(eligible)]

@@ -199,11 +199,14 @@ class PivotStrategy:
         migration: bool = True,
         max_up: int | None = None,
         reprefill: bool = False,
+        wait_repayment: bool = False,
     ) -> None:
         self.name = name
         self.horizon = cfg.horizon_s
         self.migration = migration
         self.reprefill = reprefill  # pivot+: migrations' re-prefill counts in the penalty
+        # pivot+: GPUs a plan moved are not moved back before it has repaid its penalty
+        self.wait_repayment = wait_repayment
         self.max_up = max_up
         self.max_exact = cfg.max_exact_candidates
 
@@ -230,7 +233,7 @@ class PivotStrategy:
                 throughput_expected=t_cur,
                 timings=PlannerTimings(preprocess_s=time.perf_counter() - t0),
             )
-        pairs = shift_pairs(snap, role, occupancy)
+        pairs = shift_pairs(snap, role, occupancy, wait_repayment=self.wait_repayment)
         t1 = time.perf_counter()
         k_max = sum(len(p.up) for p in pairs)
         if self.max_up is not None:
@@ -380,7 +383,7 @@ def make_strategy(cfg: PlannerConfig) -> Strategy:
     if cfg.strategy == "pivot":
         return PivotStrategy(cfg)
     if cfg.strategy == "pivot+":
-        return PivotStrategy(cfg, name="pivot+", reprefill=True)
+        return PivotStrategy(cfg, name="pivot+", reprefill=True, wait_repayment=True)
     if cfg.strategy == "vanilla":
         return PivotStrategy(cfg, name="vanilla", migration=False)
     if cfg.strategy == "static":

@@ -204,6 +204,9 @@ class Snapshot:
     topology: Topology
     schedulers: Mapping[str, Scheduler]
     training: TrainingState = field(default_factory=TrainingState)
+    # (up role, down role) shifts that would undo a plan that has not repaid its penalty
+    # yet (coordinator/shifts.py; pivot+ does not plan them)
+    unrepaid: frozenset[tuple[str, str]] = frozenset()
 
     def validate(self) -> dict[int, str]:
         """Check consistency; return the GPU → occupant replica map."""

@@ -12,6 +12,7 @@ import pytest
 
 from pivot_hpc.config import load_config
 from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.planner import role_of
 from pivot_hpc.scheduler import ThroughputModel
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, InferenceCosts, TrainingCosts, inference_costs
 from pivot_hpc.sim.cluster import SimCluster
@@ -88,6 +89,36 @@ def test_every_mode_completes_with_conservation(
         assert coord.stats.shifts_up > 0
         assert (cluster.late_finishes > 0) == (late > 0)
     assert not coord.training.extensions or coord.topology.elastic  # only where elastic
+
+
+def test_pivot_plus_never_moves_gpus_back_before_a_plan_has_repaid() -> None:
+    """In a whole simulated run, no pivot+ plan takes GPUs back to a role before the plan
+    that took them from it has repaid its penalty (φ / gain after its decision)."""
+    # group 3's models under pipeline admission: the paper's pivot moves GPUs back and
+    # forth there every few seconds (README, planner quality)
+    cfg = load_config(
+        Path(__file__).parents[2] / "configs/sim/group3-qwen32b-qwen30b.yaml",
+        ["planner.strategy=pivot+", "scheduler.admission=pipeline", "loop.steps=4"],
+    )
+    coord, cluster, _ = build(cfg)
+    repaid: list[tuple[str, str, float]] = []  # (up role, down role, repaid at)
+    execute = coord.shifts.execute
+
+    def checked(plan) -> None:
+        now = cluster.now()
+        downs = {role_of(r) for r in plan.down}
+        if not plan.is_noop and not plan.mandatory:
+            for up, down, at in repaid:
+                assert not (plan.up_role == up and down in downs and now < at), plan.reason
+            gain = plan.throughput_expected - plan.throughput_current
+            if plan.penalty > 0 and gain > 0:
+                repaid.extend((d, plan.up_role, now + plan.penalty / gain) for d in downs)
+        execute(plan)
+
+    coord.shifts.execute = checked
+    coord.run()
+    assert coord.rl.version == 4
+    assert repaid, "no plan paid a penalty: the check saw nothing"
 
 
 def test_elastic_training_grows_and_trains_faster() -> None:

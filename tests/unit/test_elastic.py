@@ -1,10 +1,12 @@
 """Beyond the paper: elastic training's data-parallel size (planner/elastic.py), pipeline
-admission (scheduler/admission.py), pivot+'s re-prefill penalty, the measured training
-time model."""
+admission (scheduler/admission.py), pivot+'s re-prefill penalty and repayment wait, the
+measured training time model."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import assume, given, settings
@@ -12,9 +14,11 @@ from hypothesis import strategies as st
 
 from pivot_hpc.config.schema import PlannerConfig, ShiftTimes
 from pivot_hpc.coordinator.monitor import MeasuredTrainingTime
+from pivot_hpc.coordinator.shifts import ShiftExecutor
 from pivot_hpc.planner import Snapshot, SnapshotError, Topology, TrainingState, replica_id
 from pivot_hpc.planner.elastic import ElasticInputs, elastic_plan
 from pivot_hpc.planner.pairs import penalty
+from pivot_hpc.planner.plan import ShiftPlan
 from pivot_hpc.planner.planner import PivotStrategy
 from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
 from pivot_hpc.scheduler.admission import PipelineAdmission
@@ -148,6 +152,52 @@ def test_pivot_plus_counts_the_re_prefill_of_what_it_migrates() -> None:
     first = ev[min(ev)]
     assert first.penalty > penalty(snaps[1e-2], first.down)  # re-prefill counted
     assert len(costly.up) < len(base.up)
+
+
+def test_pivot_plus_waits_until_a_plan_has_repaid_before_moving_gpus_back() -> None:
+    """A plan that moved GPUs from reward to rollout has not repaid its φ yet: pivot+ does
+    not take GPUs from rollout for reward (it would undo a shift that has not paid); the
+    paper's pivot does not look."""
+    snap = snapshot(topology(elastic=False), 9, 3, (40, 400))
+    snap.training = TrainingState(active=True, busy=True)
+    pivot = PivotStrategy(PlannerConfig()).plan(snap)
+    plus = PivotStrategy(PlannerConfig(), name="pivot+", reprefill=True, wait_repayment=True)
+    assert pivot.up_role == "reward" and pivot.down and plus.plan(snap).down
+    waiting = dataclasses.replace(snap, unrepaid=frozenset({("reward", "rollout")}))
+    assert PivotStrategy(PlannerConfig()).plan(waiting).down == pivot.down
+    assert plus.plan(waiting).is_noop
+    # the other direction is not held back
+    other = dataclasses.replace(snap, unrepaid=frozenset({("rollout", "reward")}))
+    assert plus.plan(other).down
+
+
+def test_a_plan_is_repaid_at_its_break_even() -> None:
+    """φ / (T_expected − T_current) after the decision; free and mandatory plans hold
+    nothing back."""
+    clock = SimpleNamespace(t=100.0)
+    shifts = ShiftExecutor(SimpleNamespace(cluster=SimpleNamespace(now=lambda: clock.t)), None)
+    plan = ShiftPlan(
+        "pivot+",
+        up_role="reward",
+        up=["reward:3"],
+        down=["rollout:3", "training"],
+        penalty=500.0,
+        throughput_current=1000.0,
+        throughput_expected=1050.0,
+    )
+    shifts._note_repayment(plan)
+    assert shifts.unrepaid() == {("rollout", "reward"), ("training", "reward")}
+    clock.t = 109.9
+    assert shifts.unrepaid()
+    clock.t = 110.0  # 500 tokens at +50 tokens/s
+    assert not shifts.unrepaid()
+    for free in (
+        dataclasses.replace(plan, penalty=0.0),
+        dataclasses.replace(plan, throughput_expected=990.0),
+        dataclasses.replace(plan, mandatory=True),
+    ):
+        shifts._note_repayment(free)
+        assert not shifts.unrepaid()
 
 
 @settings(max_examples=40, deadline=None)
