@@ -103,7 +103,8 @@ class PlannerConfig:
 
     # the paper's planner, or an §8.4 ablation
     # pivot+ (ours): pivot, with the re-prefill of the sequences a plan migrates counted
-    # in its penalty (planner/planner.py)
+    # in its penalty, and no GPUs moved back before the plan that moved them has repaid
+    # its penalty (break-even φ / gain; planner/planner.py)
     strategy: Literal["pivot", "pivot+", "static", "rule", "vanilla"] = "pivot"
     horizon_s: float = 60.0  # H: how long a shift's throughput gain is expected to last
     interval_s: float = 1.0  # how often the planner looks at a fresh snapshot
@@ -153,6 +154,11 @@ class SchedulerConfig:
     # batch × mean/longest generated length (measured), the rest waits in priority order
     # so older batches finish first (scheduler/admission.py). Every mode uses the same.
     admission: Literal["all", "pipeline"] = "all"
+    # Beyond the paper: at every monitor tick, a role with an idle replica, another running
+    # two or more sequences and nothing queued moves sequences onto the idle ones by Alg.
+    # 4's migration (shortest first, while the role's throughput rises). §6 moves them only
+    # on shifts, so a batch's long tail can crowd one replica while the others idle.
+    rebalance: bool = False
 
 
 @dataclass(kw_only=True)

@@ -130,6 +130,7 @@ def build(
         admission=PipelineAdmission(rl.staleness, rl.batch_size)
         if cfg.scheduler.admission == "pipeline"
         else None,
+        rebalance=cfg.scheduler.rebalance,
     )
 
 

@@ -60,6 +60,7 @@ class Stats:
     shifts_down: int = 0
     plans: int = 0
     migrated: int = 0
+    rebalanced: int = 0  # sequences moved onto idle replicas (scheduler.rebalance)
     events: int = 0  # cluster events handled
     # (step, start, end, rollout tokens, reward tokens, trained tokens) per trained step
     steps: list[tuple[int, float, float, int, int, int]] = field(default_factory=list)
@@ -88,6 +89,7 @@ class Coordinator:
         training_time: TrainingTime | None = None,
         strategy: str = "",
         admission: PipelineAdmission | None = None,
+        rebalance: bool = False,
     ) -> None:
         self.cluster = cluster
         self.topology = topology
@@ -102,6 +104,7 @@ class Coordinator:
             r: Scheduler(r, priority=priority, migration=migration) for r in INFERENCE_ROLES
         }
         self.admission = admission  # scheduler.admission=pipeline: the role's running cap
+        self.rebalance = rebalance  # scheduler.rebalance: idle replicas take sequences
         self.training = TrainingState()
         self.samples: dict[int, Sample] = {}
         self.steps: dict[int, StepLog] = {}
@@ -175,6 +178,9 @@ class Coordinator:
             model = fit.refit(max_running=self.topology.roles[role].model.max_running)
             if model is not None:
                 self._set_model(role, model)
+        if self.rebalance:
+            for role in INFERENCE_ROLES:
+                self.shifts.rebalance(role)
         self._log_throughput()
         if not self.draining:
             self.mode.on_tick(self)

@@ -36,7 +36,7 @@ class ShiftHost(Protocol):
     rl: RLState
     capacity: Mapping[str, int]
     telemetry: Any
-    stats: Any  # counters: shifts_up, shifts_down, plans, migrated
+    stats: Any  # counters: shifts_up, shifts_down, plans, migrated, rebalanced
     draining: bool
 
     def dispatch(self, role: str) -> None: ...
@@ -226,27 +226,44 @@ class ShiftExecutor:
             spec = self.c.topology.roles[role]
             t0 = time.perf_counter()
             res = sched.shift_up([(rid, self.c.capacity[role], spec.model) for rid in rids])
-            plan_s = time.perf_counter() - t0
-            # Net effect of the moves: the cluster stops a moved sequence where it runs and
-            # starts it where it ends up (it may have moved twice within one migration).
-            moving, starts = res.net_moves()
-            t1 = time.perf_counter()
-            lengths, finished = {}, []
-            for seq_id, length in self.c.cluster.abort(moving).items():
-                if length is None:  # finished on its source before the abort reached it
-                    finished.append(self.c.cluster.take_finished(role, seq_id))
-                else:
-                    lengths[seq_id] = length
-            abort_s = time.perf_counter() - t1 + plan_s
-            if lengths:
-                sched.set_lengths(lengths)
-            for ev in finished:  # the scheduler already moved it: finish it where it is now
-                self.c._finish_early(dataclasses.replace(ev, rid=sched.location(ev.seq_id)))
-            done = {ev.seq_id for ev in finished}
-            for seq_id, dst in starts.items():
-                if seq_id not in done:
-                    self.c._start(role, dst, seq_id)
-            self._log_migration(role, "up", res, abort_s)
+            self._carry_out(role, "up", res, time.perf_counter() - t0)
+
+    def rebalance(self, role: str) -> None:
+        """`scheduler.rebalance`: move sequences onto the role's idle replicas (see
+        `Scheduler.rebalance`) — not while the role shifts, whose Alg. 3/4 will."""
+        if self.c.draining or any(role_of(r) == role for r in self.shifting):
+            return
+        sched = self.c.schedulers[role]
+        t0 = time.perf_counter()
+        res = sched.rebalance()
+        if res.migrations:
+            self.c.stats.rebalanced += len(res.net_moves()[1])
+            self._carry_out(role, "rebalance", res, time.perf_counter() - t0)
+
+    def _carry_out(self, role: str, kind: str, res: MigrationResult, plan_s: float) -> None:
+        """Make the cluster follow the scheduler's moves (Alg. 4): the net effect of each —
+        stop a moved sequence where it runs, start it where it ends up (it may have moved
+        twice within one migration) — with a sequence that finished before its abort
+        arrived finished where the scheduler has it now."""
+        sched = self.c.schedulers[role]
+        moving, starts = res.net_moves()
+        t1 = time.perf_counter()
+        lengths, finished = {}, []
+        for seq_id, length in self.c.cluster.abort(moving).items():
+            if length is None:  # finished on its source before the abort reached it
+                finished.append(self.c.cluster.take_finished(role, seq_id))
+            else:
+                lengths[seq_id] = length
+        abort_s = time.perf_counter() - t1 + plan_s
+        if lengths:
+            sched.set_lengths(lengths)
+        for ev in finished:  # the scheduler already moved it: finish it where it is now
+            self.c._finish_early(dataclasses.replace(ev, rid=sched.location(ev.seq_id)))
+        done = {ev.seq_id for ev in finished}
+        for seq_id, dst in starts.items():
+            if seq_id not in done:
+                self.c._start(role, dst, seq_id)
+        self._log_migration(role, kind, res, abort_s)
 
     def _log_migration(self, role: str, kind: str, res: MigrationResult, abort_s: float) -> None:
         moved = len(res.dispatched)

@@ -242,14 +242,18 @@ class PivotStrategy:
         t2 = time.perf_counter()
         sim = _Simulator(snap, self.migration)
         evals = []
+        # Both roles have work and no GPU (training holds them all after an elastic step):
+        # Eq. 1 is 0 before and after any one-role candidate, so no benefit would ever be
+        # positive and the run would stall. Each candidate is then worth what it lets the
+        # chosen role make; the other role is served by the next round.
+        both_starve = all(snap.n_seq(r) and snap.throughput(r) <= 0 for r in INFERENCE_ROLES)
 
         def evaluate(i: int) -> float:
             c = cands[i]
             t_new = sim.overall(c.up, c.down)
+            gain = sim.role_throughput(role, c.up, c.down) if both_starve else t_new - t_cur
             phi = c.penalty + (sim.reprefill_cost(c.up, c.down) if self.reprefill else 0.0)
-            ev = CandidateEval(
-                c.k, list(c.up), list(c.down), phi, t_new, self.horizon * (t_new - t_cur) - phi
-            )
+            ev = CandidateEval(c.k, list(c.up), list(c.down), phi, t_new, self.horizon * gain - phi)
             evals.append(ev)
             return ev.benefit
 

@@ -661,6 +661,27 @@ class Scheduler:
         res.throughput_after = self.throughput()
         return res
 
+    def rebalance(self, *, record: bool = True) -> MigrationResult:
+        """Alg. 4's migration among the replicas the role already has, when one of them is
+        idle while another runs two or more sequences and nothing is queued (beyond the
+        paper, `scheduler.rebalance`): sequences finish unevenly, and without a shift §6
+        never moves them, so a batch's long tail can crowd one replica while the rest of
+        the role idles. Moves the shortest sequences (cheapest re-prefill) while the
+        role's throughput rises; no move otherwise."""
+        res = MigrationResult(throughput_before=self.throughput())
+        m = len(self._rid_of)
+        live = self.active[:m] != 0
+        if self.n_queued or not live.any():
+            return res
+        n = self.n[:m][live]
+        if n.min() > 0 or n.max() < 2:
+            return res
+        t0 = time.perf_counter()
+        self._migrate(res, record, self._running_order())
+        res.migrate_s = time.perf_counter() - t0
+        res.throughput_after = self.throughput()
+        return res
+
     def _sorted_running(self, qs: np.ndarray) -> np.ndarray:
         """Positions `qs` (running) sorted by (replica, length, id)."""
         if not len(qs):

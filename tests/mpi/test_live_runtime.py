@@ -52,8 +52,10 @@ MISMATCH = [
 
 @pytest.mark.parametrize("mode", ["pivot", "disaggregated", "colocated", "rr_colocated"])
 def test_every_mode_completes(tmp_path: Path, mode: str) -> None:
-    # disaggregated also trains data-parallel: 2 training ranks (tp 1 × dp 2)
-    extra = ["training.num_gpus=2", *MISMATCH] if mode == "disaggregated" else []
+    # disaggregated also trains data-parallel: 2 training ranks (tp 1 × dp 2), and moves
+    # sequences onto idle replicas (scheduler.rebalance; conservation is the coordinator's)
+    extra = ["training.num_gpus=2", "scheduler.rebalance=true", *MISMATCH]
+    extra = extra if mode == "disaggregated" else []
     if mode in ("colocated", "rr_colocated"):  # dynamic sampling sends them back to rollout
         extra = DAPO
     out = run(tmp_path, f"deployment.mode={mode}", *extra)

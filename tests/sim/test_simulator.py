@@ -56,6 +56,7 @@ OPTIONS = {
     "paper": [],
     "elastic": ["planner.elastic_training=true"],
     "elastic+pipeline": ["planner.elastic_training=true", "scheduler.admission=pipeline"],
+    "rebalance": ["scheduler.rebalance=true"],
 }
 
 
@@ -89,6 +90,10 @@ def test_every_mode_completes_with_conservation(
         assert coord.stats.shifts_up > 0
         assert (cluster.late_finishes > 0) == (late > 0)
     assert not coord.training.extensions or coord.topology.elastic  # only where elastic
+    if options != "rebalance":
+        assert coord.stats.rebalanced == 0
+    elif strategy == "pivot":  # (every static mode, and pivot's planner)
+        assert coord.stats.rebalanced > 0
 
 
 def test_pivot_plus_never_moves_gpus_back_before_a_plan_has_repaid() -> None:

@@ -171,6 +171,19 @@ def test_pivot_plus_waits_until_a_plan_has_repaid_before_moving_gpus_back() -> N
     assert plus.plan(other).down
 
 
+@pytest.mark.parametrize("name", ["pivot", "pivot+"])
+def test_training_holding_every_gpu_gives_them_back_when_both_roles_wait(name) -> None:
+    """After an elastic step on all 16 GPUs both roles have work and no replica: Eq. 1 is 0
+    whatever one role gets, so the planner values a candidate by what the chosen role would
+    make (before, no benefit was ever positive and the run stalled)."""
+    held = [replica_id("training", s) for s in range(12)]
+    snap = snapshot(topology(), 0, 0, (50, 5), held=held)
+    snap.training = TrainingState(active=True, extensions=set(held))
+    plan = PivotStrategy(PlannerConfig(), name=name, reprefill=name == "pivot+").plan(snap)
+    assert plan.up_role == "reward" and plan.up and plan.benefit > 0
+    assert {d.split(":")[0] for d in plan.down} == {"training"}
+
+
 def test_a_plan_is_repaid_at_its_break_even() -> None:
     """φ / (T_expected − T_current) after the decision; free and mandatory plans hold
     nothing back."""

@@ -237,3 +237,31 @@ def test_migration_result_says_what_moved() -> None:
     moved, started = res.net_moves()
     assert moved == {2: "r:a"}
     assert started == {1: "r:c", 2: "r:c"}
+
+
+def test_rebalance_moves_a_crowded_tail_onto_idle_replicas() -> None:
+    """`scheduler.rebalance` (beyond the paper): the sequences left on one replica after the
+    rest finished move to the role's idle replicas, shortest first, while the role's
+    throughput rises; nothing moves while a replica is busy everywhere or work waits."""
+    s = make(1, 100_000, [100, 200, 300, 400, 500, 600])
+    s.dispatch()
+    s.add_replica("rollout:1", 100_000, MODEL)
+    s.add_replica("rollout:2", 100_000, MODEL)  # up, empty: no shift migrated onto them
+    before = s.throughput()
+    res = s.rebalance()
+    assert res.migrations >= 2 and s.throughput() > before
+    moved, starts = res.net_moves()
+    assert set(moved) == set(starts) and {s.location(q) for q in starts} <= {
+        "rollout:1",
+        "rollout:2",
+    }
+    assert all(s.sequence(q).length == 100 * (q + 1) for q in range(6))  # tokens kept
+    assert min(v.n_seq for v in s.replica_views()) > 0
+    s.check_invariants()
+    assert s.rebalance().migrations == 0  # every replica busy now
+    # work waiting: dispatch, not migration, fills an idle replica
+    q = make(1, 100_000, [100, 200, 300])
+    q.dispatch()
+    q.add_replica("rollout:1", 100_000, MODEL)
+    q.submit(SeqState(9, 50))
+    assert q.rebalance().migrations == 0
