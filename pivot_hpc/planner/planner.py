@@ -207,6 +207,10 @@ class PivotStrategy:
         self.reprefill = reprefill  # pivot+: migrations' re-prefill counts in the penalty
         # pivot+: GPUs a plan moved are not moved back before it has repaid its penalty
         self.wait_repayment = wait_repayment
+        # pivot+: reward keeps its last replica while rollouts run. Their judgements arrive
+        # soon, and with no reward replica Eq. 1 drops to 0, so the planner buys GPUs back
+        # at once; a replica idle "for free" is not free (seen as a 38 s up/down cycle).
+        self.keep_reward = wait_repayment
         self.max_up = max_up
         self.max_exact = cfg.max_exact_candidates
 
@@ -248,8 +252,16 @@ class PivotStrategy:
         # chosen role make; the other role is served by the next round.
         both_starve = all(snap.n_seq(r) and snap.throughput(r) <= 0 for r in INFERENCE_ROLES)
 
+        n_reward = len(snap.schedulers["reward"].replicas)
+        keep_reward = self.keep_reward and role != "reward" and snap.n_seq("rollout") > 0
+
         def evaluate(i: int) -> float:
             c = cands[i]
+            if keep_reward and n_reward and sum(role_of(d) == "reward" for d in c.down) == n_reward:
+                evals.append(
+                    CandidateEval(c.k, list(c.up), list(c.down), c.penalty, 0.0, -math.inf)
+                )
+                return -math.inf
             t_new = sim.overall(c.up, c.down)
             gain = sim.role_throughput(role, c.up, c.down) if both_starve else t_new - t_cur
             phi = c.penalty + (sim.reprefill_cost(c.up, c.down) if self.reprefill else 0.0)

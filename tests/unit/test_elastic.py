@@ -184,6 +184,21 @@ def test_training_holding_every_gpu_gives_them_back_when_both_roles_wait(name) -
     assert {d.split(":")[0] for d in plan.down} == {"training"}
 
 
+def test_pivot_plus_keeps_the_last_reward_replica_while_rollouts_run() -> None:
+    """Reward idle on its one replica, rollout busy: the paper's pivot takes that replica
+    for rollout at φ = 0 and must buy it back as soon as judgements arrive (Eq. 1 is 0
+    with work and no reward replica); pivot+ leaves it, and takes free GPUs only."""
+    snap = snapshot(topology(elastic=False), 11, 1, (400, 0))
+    snap.training = TrainingState(active=True, busy=True)
+    pivot = PivotStrategy(PlannerConfig()).plan(snap)
+    assert pivot.up_role == "rollout" and "reward:11" in pivot.down
+    plus = PivotStrategy(PlannerConfig(), name="pivot+", reprefill=True, wait_repayment=True)
+    assert plus.plan(snap).is_noop
+    snap = snapshot(topology(elastic=False), 10, 2, (400, 0))  # two: one may go
+    snap.training = TrainingState(active=True, busy=True)
+    assert plus.plan(snap).down == ["reward:11"]
+
+
 def test_a_plan_is_repaid_at_its_break_even() -> None:
     """φ / (T_expected − T_current) after the decision; free and mandatory plans hold
     nothing back."""
