@@ -46,6 +46,7 @@ def sweep(
     steps: int = 5,
     seed: int = 0,
     progress=None,
+    num_threads: int | None = None,
 ) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     vocab = min(model.config.vocab_size, 99)
@@ -55,15 +56,20 @@ def sweep(
         i, j = batch_sizes.index(b), context_lens.index(c)
         engine = HFEngine(
             model,
-            kv_capacity_tokens=b * (c + steps + 4),
+            kv_capacity_tokens=b * (c + steps + 68),
             max_batch=b,
-            max_seq_len=c + steps + 4,
-            num_threads=None,
+            max_seq_len=c + steps + 68,
+            num_threads=num_threads,
         )
-        sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
         for s in range(b):
             engine.add(s, torch.randint(3, vocab, (c,), generator=g).tolist(), sampling=sp)
-        engine.step()  # prefill + first decode (warms the KV buffers)
+        # prefill (chunked: a large batch needs several steps) + a first decode that warms
+        # the KV buffers
+        for _ in range(64):
+            engine.step()
+            if engine.stats().running >= b:
+                break
         lat, tok = [], []
         for _ in range(steps):
             st = engine.stats()

@@ -181,11 +181,16 @@ def use_profiles(cfg: Config, dirs) -> Config:
                 flush=True,
             )
             continue
-        path = cache_root(cfg.models.cache_dir) / "profiles" / f"hf-{Path(path_dir).name}.yaml"
+        # v2: batches up to the concurrency a run reaches, with the workers' threads (v1's
+        # 1–16 sequences saw no growth and fitted a constant latency: one replica looked
+        # able to decode any number of sequences at once)
+        profiles = cache_root(cfg.models.cache_dir) / "profiles"
+        path = profiles / f"hf-v2-t{ec.num_threads}-{Path(path_dir).name}.yaml"
         if not path.is_file():
             t0 = time.monotonic()
             model, _ = load_model(path_dir)
-            result = fit_samples(sweep(model, [1, 4, 16], [16, 64], steps=3))
+            samples = sweep(model, [1, 8, 32, 128], [16, 96], steps=3, num_threads=ec.num_threads)
+            result = fit_samples(samples)
             write_profile(path, result, engine="hf", model=name, role=role)
             print(
                 f"pivot-hpc: profiled hf/{name} in {time.monotonic() - t0:.1f}s: "

@@ -53,6 +53,7 @@ class Worker:
         self._last_lengths = 0.0
         self._steps: list[tuple[float, int, int]] = []  # decode steps for the monitor
         self._added = False  # a sequence arrived since the engine's last step
+        self._prev_step_end: float | None = None  # the engine's last step, while it has work
         self._sending: list = []  # requests of events not yet received (see send)
         self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
         # tests: seconds added to every decode step, so that sequences are still running
@@ -124,6 +125,8 @@ class Worker:
                     steps, self._steps = self._steps, []
                     self.send(msg.Lengths(engine.seq_lengths(), steps))
                 busy = True
+            else:
+                self._prev_step_end = None  # idle: the next step's time has no predecessor
             if busy:
                 backoff = 1e-3
             else:
@@ -139,12 +142,22 @@ class Worker:
         from an engine step that decoded and did not also prefill newcomers (a prefill
         is not what the decode model describes). An engine that decodes on its own (SGLang's
         scheduler) reports the mean step over the steps since the last `stats`."""
+        now = time.monotonic()
+        prev, self._prev_step_end = self._prev_step_end, now
         added, self._added = self._added, False
         if added:
             return
         st = engine.stats()
         if st.steps > before and st.last_step_seqs > 0:
-            self._steps.append((st.last_step_s, st.last_step_seqs, st.last_step_tokens))
+            seconds = st.last_step_s
+            if st.steps == before + 1 and prev is not None:
+                # One step between two of this loop's: what the role's sequences wait per
+                # token is the time since the previous step ended — command handling,
+                # sends and a CPU shared with other ranks included, not only the forward
+                # (on 2 cores the forward was a tenth of it, and the planner's A–D ten
+                # times too fast).
+                seconds = max(seconds, now - prev)
+            self._steps.append((seconds, st.last_step_seqs, st.last_step_tokens))
 
     def send(self, event: msg.Event) -> None:
         """Non-blocking (a large `Finished` would otherwise wait for a busy coordinator);
@@ -232,6 +245,7 @@ class Worker:
             engine = self.engines[role]
             engine.resume_memory()
             self._steps = []  # the previous role's steps are not this one's
+            self._prev_step_end = None
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             model = "policy" if role == "rollout" else "genrm"

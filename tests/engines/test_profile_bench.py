@@ -25,6 +25,14 @@ def test_sweep_and_fit(tiny_model):
     assert res.held_out.samples >= 1 and 0 <= res.held_out.median_rel_error < float("inf")
 
 
+def test_sweep_measures_large_batches_after_a_chunked_prefill(tiny_model):
+    """128 sequences do not all prefill in one engine step: the sweep measures once every
+    one of them decodes (the brief start-up profile goes that far, see runtime/main.py)."""
+    samples = sweep(tiny_model, [1, 128], [96], steps=2, num_threads=1)
+    assert [s.n_seq for s in samples] == [1, 128]
+    assert samples[1].n_tok >= 128 * 96
+
+
 def test_profile_cli_writes_loadable_constants(tmp_path, capsys):
     rc = main(
         [
