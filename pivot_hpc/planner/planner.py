@@ -200,6 +200,7 @@ class PivotStrategy:
         max_up: int | None = None,
         reprefill: bool = False,
         wait_repayment: bool = False,
+        keep_reward: bool = False,
     ) -> None:
         self.name = name
         self.horizon = cfg.horizon_s
@@ -210,7 +211,7 @@ class PivotStrategy:
         # pivot+: reward keeps its last replica while rollouts run. Their judgements arrive
         # soon, and with no reward replica Eq. 1 drops to 0, so the planner buys GPUs back
         # at once; a replica idle "for free" is not free (seen as a 38 s up/down cycle).
-        self.keep_reward = wait_repayment
+        self.keep_reward = keep_reward
         self.max_up = max_up
         self.max_exact = cfg.max_exact_candidates
 
@@ -251,7 +252,6 @@ class PivotStrategy:
         # positive and the run would stall. Each candidate is then worth what it lets the
         # chosen role make; the other role is served by the next round.
         both_starve = all(snap.n_seq(r) and snap.throughput(r) <= 0 for r in INFERENCE_ROLES)
-
         n_reward = len(snap.schedulers["reward"].replicas)
         keep_reward = self.keep_reward and role != "reward" and snap.n_seq("rollout") > 0
 
@@ -399,7 +399,9 @@ def make_strategy(cfg: PlannerConfig) -> Strategy:
     if cfg.strategy == "pivot":
         return PivotStrategy(cfg)
     if cfg.strategy == "pivot+":
-        return PivotStrategy(cfg, name="pivot+", reprefill=True, wait_repayment=True)
+        return PivotStrategy(
+            cfg, name="pivot+", reprefill=True, wait_repayment=True, keep_reward=True
+        )
     if cfg.strategy == "vanilla":
         return PivotStrategy(cfg, name="vanilla", migration=False)
     if cfg.strategy == "static":

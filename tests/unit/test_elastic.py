@@ -19,7 +19,7 @@ from pivot_hpc.planner import Snapshot, SnapshotError, Topology, TrainingState, 
 from pivot_hpc.planner.elastic import ElasticInputs, elastic_plan
 from pivot_hpc.planner.pairs import penalty
 from pivot_hpc.planner.plan import ShiftPlan
-from pivot_hpc.planner.planner import PivotStrategy
+from pivot_hpc.planner.planner import PivotStrategy, make_strategy
 from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
 from pivot_hpc.scheduler.admission import PipelineAdmission
 
@@ -192,7 +192,7 @@ def test_pivot_plus_keeps_the_last_reward_replica_while_rollouts_run() -> None:
     snap.training = TrainingState(active=True, busy=True)
     pivot = PivotStrategy(PlannerConfig()).plan(snap)
     assert pivot.up_role == "rollout" and "reward:11" in pivot.down
-    plus = PivotStrategy(PlannerConfig(), name="pivot+", reprefill=True, wait_repayment=True)
+    plus = make_strategy(PlannerConfig(strategy="pivot+"))
     assert plus.plan(snap).is_noop
     snap = snapshot(topology(elastic=False), 10, 2, (400, 0))  # two: one may go
     snap.training = TrainingState(active=True, busy=True)
