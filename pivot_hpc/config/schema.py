@@ -157,7 +157,8 @@ class SchedulerConfig:
     # Beyond the paper: at every monitor tick, a role with an idle replica, another running
     # two or more sequences and nothing queued moves sequences onto the idle ones by Alg.
     # 4's migration (shortest first, while the role's throughput rises). §6 moves them only
-    # on shifts, so a batch's long tail can crowd one replica while the others idle.
+    # on shifts, so a batch's long tail can crowd one replica while the others idle. Off
+    # where migration is (`migration: false`, the `vanilla` ablation).
     rebalance: bool = False
 
 

@@ -671,8 +671,8 @@ class Scheduler:
         res = MigrationResult(throughput_before=self.throughput())
         m = len(self._rid_of)
         live = self.active[:m] != 0
-        if self.n_queued or not live.any():
-            return res
+        if not self.migration or self.n_queued or not live.any():
+            return res  # (no migration at all: the `vanilla` ablation)
         n = self.n[:m][live]
         if n.min() > 0 or n.max() < 2:
             return res
