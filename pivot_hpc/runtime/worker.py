@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime import stop
+from pivot_hpc.runtime.decode_steps import DecodeSteps
 from pivot_hpc.runtime.elastic import StepGroups, TrainingWorld, publish_optimizer, read_optimizer
 from pivot_hpc.runtime.protocol import CMD, EVT
 
@@ -51,9 +52,7 @@ class Worker:
         self.role: str | None = None
         self.leader = True  # False: a non-leading rank of a tp > 1 inference replica
         self._last_lengths = 0.0
-        self._steps: list[tuple[float, int, int]] = []  # decode steps for the monitor
-        self._added = False  # a sequence arrived since the engine's last step
-        self._prev_step_end: float | None = None  # the engine's last step, while it has work
+        self._steps = DecodeSteps()  # for the monitor's A–D refit
         self._sending: list = []  # requests of events not yet received (see send)
         self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
         # tests: seconds added to every decode step, so that sequences are still running
@@ -118,15 +117,14 @@ class Worker:
                     time.sleep(self.decode_delay_s)
                 if done:
                     self.send(msg.Finished(done))
-                self._record_step(engine, before)
+                self._steps.record(engine.stats(), before)
                 now = time.monotonic()
                 if now - self._last_lengths > LENGTHS_EVERY_S:
                     self._last_lengths = now
-                    steps, self._steps = self._steps, []
-                    self.send(msg.Lengths(engine.seq_lengths(), steps))
+                    self.send(msg.Lengths(engine.seq_lengths(), self._steps.take()))
                 busy = True
             else:
-                self._prev_step_end = None  # idle: the next step's time has no predecessor
+                self._steps.idle()
             if busy:
                 backoff = 1e-3
             else:
@@ -136,28 +134,6 @@ class Worker:
     @staticmethod
     def _decode_steps(engine) -> int:
         return engine.stats().steps
-
-    def _record_step(self, engine, before: int) -> None:
-        """Keep a decode step's (seconds, N_seq, N_tok) for the monitor's refit — only
-        from an engine step that decoded and did not also prefill newcomers (a prefill
-        is not what the decode model describes). An engine that decodes on its own (SGLang's
-        scheduler) reports the mean step over the steps since the last `stats`."""
-        now = time.monotonic()
-        prev, self._prev_step_end = self._prev_step_end, now
-        added, self._added = self._added, False
-        if added:
-            return
-        st = engine.stats()
-        if st.steps > before and st.last_step_seqs > 0:
-            seconds = st.last_step_s
-            if st.steps == before + 1 and prev is not None:
-                # One step between two of this loop's: what the role's sequences wait per
-                # token is the time since the previous step ended — command handling,
-                # sends and a CPU shared with other ranks included, not only the forward
-                # (on 2 cores the forward was a tenth of it, and the planner's A–D ten
-                # times too fast).
-                seconds = max(seconds, now - prev)
-            self._steps.append((seconds, st.last_step_seqs, st.last_step_tokens))
 
     def send(self, event: msg.Event) -> None:
         """Non-blocking (a large `Finished` would otherwise wait for a busy coordinator);
@@ -181,7 +157,7 @@ class Worker:
             case msg.Start(seq_id, prompt, generated, logprobs, sampling):
                 engine = self.engines[self.role]
                 engine.add(seq_id, prompt, generated or None, sampling, logprobs or None)
-                self._added = True
+                self._steps.added = True
             case msg.Abort(seq_ids):
                 self.send(msg.Aborted({s: self._abort(s) for s in seq_ids}))
             case msg.UpdateWeights():
@@ -244,8 +220,7 @@ class Worker:
                 self.engines[role].release_memory(weights=True)
             engine = self.engines[role]
             engine.resume_memory()
-            self._steps = []  # the previous role's steps are not this one's
-            self._prev_step_end = None
+            self._steps.reset()
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             model = "policy" if role == "rollout" else "genrm"
@@ -266,7 +241,7 @@ class Worker:
         self.trainer.load_weights(tensors)
 
     def shift_down(self) -> None:
-        self._steps = []
+        self._steps.reset()
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         if self.role == "training" and self.extension:  # the set keeps the state

@@ -5,21 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.models.qwen2 import create_model
+from tests.tiny_arch import tiny_arch
 
-# hidden 64, 2 layers, GQA 4:2, char vocab padded to 128. initializer_range 0.3 keeps a
-# random model's greedy output varied (PLATFORM.md).
-TINY = ModelConfig(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    vocab_size=128,
-    max_position_embeddings=256,
-    initializer_range=0.3,
-)
+# initializer_range 0.3 keeps a random model's greedy output varied (PLATFORM.md)
+TINY = tiny_arch(max_position_embeddings=256, initializer_range=0.3)
 
 
 @pytest.fixture(scope="session")

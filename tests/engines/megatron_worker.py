@@ -23,23 +23,14 @@ def main() -> None:
     torch.set_num_threads(1)
     from pivot_hpc.engines.base import TrainBatch
     from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
-    from pivot_hpc.models.config import ModelConfig
     from pivot_hpc.models.qwen2 import create_model
     from pivot_hpc.rl.config import TrainerConfig
+    from tests.tiny_arch import tiny_arch
 
     out = Path(sys.argv[1])
     tp = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    arch = ModelConfig(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-        max_position_embeddings=128,
-        initializer_range=0.02,
-    )
+    arch = tiny_arch()
     hf = create_model(arch, seed=5)
     canonical = {k: v.clone() for k, v in hf.state_dict().items()}
     res: dict = {"tp": tp}

@@ -35,23 +35,14 @@ def main() -> None:
     torch.set_num_threads(1)
     from pivot_hpc.engines.megatron_model import STORE_ENV, private_store
     from pivot_hpc.gps import GlobalParameterStorage, GPSConfig, ModelSpec
-    from pivot_hpc.models.config import ModelConfig
     from pivot_hpc.models.qwen2 import create_model
     from pivot_hpc.runtime.elastic import TrainingWorld, optimizer_models
+    from tests.tiny_arch import tiny_arch
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     assert comm.Get_size() == 3, "run with 3 ranks"
-    arch = ModelConfig(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-        max_position_embeddings=128,
-        initializer_range=0.02,
-    )
+    arch = tiny_arch()
     hf = create_model(arch, seed=3)
     canonical = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     policy = ModelSpec.from_hf_config(hf.config.to_dict(), name="policy")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("elastic_worker.py")
 MPIRUN = shutil.which("mpirun")
 
@@ -25,7 +26,7 @@ def measured(tmp_path_factory) -> dict:
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd += [sys.executable, str(WORKER), str(out)]
-    env = dict(os.environ, OMPI_MCA_osc="^ucx", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMPI_MCA_osc="^ucx", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     except subprocess.TimeoutExpired as exc:
