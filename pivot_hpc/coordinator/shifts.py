@@ -237,14 +237,15 @@ class ShiftExecutor:
         t0 = time.perf_counter()
         res = sched.rebalance()
         if res.migrations:
-            self.c.stats.rebalanced += len(res.net_moves()[1])
-            self._carry_out(role, "rebalance", res, time.perf_counter() - t0)
+            self.c.stats.rebalanced += self._carry_out(
+                role, "rebalance", res, time.perf_counter() - t0
+            )
 
-    def _carry_out(self, role: str, kind: str, res: MigrationResult, plan_s: float) -> None:
+    def _carry_out(self, role: str, kind: str, res: MigrationResult, plan_s: float) -> int:
         """Make the cluster follow the scheduler's moves (Alg. 4): the net effect of each —
         stop a moved sequence where it runs, start it where it ends up (it may have moved
         twice within one migration) — with a sequence that finished before its abort
-        arrived finished where the scheduler has it now."""
+        arrived finished where the scheduler has it now. Returns how many sequences moved."""
         sched = self.c.schedulers[role]
         moving, starts = res.net_moves()
         t1 = time.perf_counter()
@@ -264,6 +265,7 @@ class ShiftExecutor:
             if seq_id not in done:
                 self.c._start(role, dst, seq_id)
         self._log_migration(role, kind, res, abort_s)
+        return len(starts)
 
     def _log_migration(self, role: str, kind: str, res: MigrationResult, abort_s: float) -> None:
         moved = len(res.dispatched)

@@ -23,6 +23,9 @@ from pivot_hpc.engines.hf_engine import HFEngine
 from pivot_hpc.scheduler.config import ThroughputConfig
 from pivot_hpc.scheduler.throughput import FitReport, evaluate_fit, fit_throughput_model
 
+# engine steps a batch may take to prefill (chunked) before its decode steps are timed
+WARMUP_STEPS = 64
+
 
 @dataclass(slots=True)
 class Sample:
@@ -56,17 +59,17 @@ def sweep(
         i, j = batch_sizes.index(b), context_lens.index(c)
         engine = HFEngine(
             model,
-            kv_capacity_tokens=b * (c + steps + 68),
+            kv_capacity_tokens=b * (c + steps + WARMUP_STEPS + 4),
             max_batch=b,
-            max_seq_len=c + steps + 68,
+            max_seq_len=c + steps + WARMUP_STEPS + 4,
             num_threads=num_threads,
         )
-        sp = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=steps + WARMUP_STEPS, ignore_eos=True)
         for s in range(b):
             engine.add(s, torch.randint(3, vocab, (c,), generator=g).tolist(), sampling=sp)
         # prefill (chunked: a large batch needs several steps) + a first decode that warms
         # the KV buffers
-        for _ in range(64):
+        for _ in range(WARMUP_STEPS):
             engine.step()
             if engine.stats().running >= b:
                 break

@@ -253,11 +253,13 @@ class PivotStrategy:
         # chosen role make; the other role is served by the next round.
         both_starve = all(snap.n_seq(r) and snap.throughput(r) <= 0 for r in INFERENCE_ROLES)
         n_reward = len(snap.schedulers["reward"].replicas)
-        keep_reward = self.keep_reward and role != "reward" and snap.n_seq("rollout") > 0
+        keep_reward = (
+            self.keep_reward and role != "reward" and n_reward > 0 and snap.n_seq("rollout") > 0
+        )
 
         def evaluate(i: int) -> float:
             c = cands[i]
-            if keep_reward and n_reward and sum(role_of(d) == "reward" for d in c.down) == n_reward:
+            if keep_reward and sum(role_of(d) == "reward" for d in c.down) == n_reward:
                 evals.append(
                     CandidateEval(c.k, list(c.up), list(c.down), c.penalty, 0.0, -math.inf)
                 )
