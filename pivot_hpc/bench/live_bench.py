@@ -9,8 +9,9 @@ paper's §8.1 measure), the share of GPU time in transition, shift-ups per step.
 
 JSON keys (a contract): `tokens_per_s` {mode: tokens/s}, `ratio_vs_best_static` (pivot
 over the best static mode), `transition_share` (pivot's fraction of GPU-seconds in
-transition); also `steps`, `best_static`, and per mode `runs` {duration_s, shifts_up,
-shifts_up_per_step, utilisation, wall_s}. `--modes …,pivot+elastic` adds pivot with
+transition); also `steps`, `best_static`, and per mode `runs` {strategy, duration_s,
+shifts_up, shifts_up_per_step, utilisation, wall_s}. The config's planner strategy is
+what pivot runs (the tiny config's: pivot+; `planner.strategy=pivot` for the paper's). `--modes …,pivot+elastic` adds pivot with
 elastic training (`planner.elastic_training=true`) and `ratio_elastic_vs_best_static`.
 """
 
@@ -93,8 +94,10 @@ def run_mode(args: argparse.Namespace, mode: str, run_dir: Path) -> dict:
     if mode == ELASTIC:
         overrides[0:1] = ["deployment.mode=pivot", "planner.elastic_training=true"]
     wall = launch(args.config, run_dir, [*overrides, *args.overrides], args.timeout_s)
-    s = summarise(open_run(run_dir))
+    run = open_run(run_dir)
+    s = summarise(run)
     return {
+        "strategy": run.attr("strategy") or "",  # the planner's, in pivot mode
         "tokens_per_s": s["tokens_per_s"],
         "duration_s": s["duration_s"],
         "shifts_up": s["shifts"],
@@ -149,7 +152,8 @@ def run(args: argparse.Namespace) -> dict:
             )
         print(table(rows))
         ratio = out["ratio_vs_best_static"]
-        print(f"pivot / best static ({best}): {ratio:.2f}×; runs in {root}")
+        strategy = runs["pivot"]["strategy"]
+        print(f"pivot ({strategy}) / best static ({best}): {ratio:.2f}×; runs in {root}")
         if ELASTIC in tps:
             print(f"pivot+elastic / best static: {out['ratio_elastic_vs_best_static']:.2f}×")
     return out

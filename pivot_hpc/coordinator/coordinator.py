@@ -464,6 +464,9 @@ class Coordinator:
     def execute(self, plan: ShiftPlan) -> None:
         self.shifts.execute(plan)
 
+    def training_waits(self) -> bool:
+        return not self.training.active and self.rl.batch_ready()
+
     def allocation(self) -> dict[str, int]:
         return self.shifts.allocation()
 

@@ -145,8 +145,23 @@ class RolloutRewardColocated:
                     c.release()
 
 
+def stall_cues(c: ModeView) -> frozenset[str]:
+    """What leaves GPUs idle until the planner acts: a training batch waiting for its
+    GPUs, a role with work and no replica, a role with replicas and no work while the
+    other role has work."""
+    cues = {"training"} if c.training_waits() else set()
+    ro, rm = c.schedulers["rollout"], c.schedulers["reward"]
+    for name, mine, other in (("rollout", ro, rm), ("reward", rm, ro)):
+        if mine.n_seq and not mine.replicas:
+            cues.add(f"{name} starved")
+        elif mine.replicas and not mine.n_seq and other.n_seq:
+            cues.add(f"{name} dry")
+    return frozenset(cues)
+
+
 class Shifting:
-    """pivot mode: the planner decides every `interval` seconds, one plan at a time."""
+    """pivot mode: the planner decides every `interval` seconds, one plan at a time; a
+    strategy that reacts (pivot+) also plans as soon as a new stall appears."""
 
     name = "pivot"
 
@@ -155,6 +170,9 @@ class Shifting:
         self.interval_s = interval_s
         self.split = split  # static/rule start from the disaggregated split
         self.next_plan = 0.0
+        # the stall cues a reactive plan last answered: each new stall is planned for
+        # once, then it waits for the interval like any other state
+        self.answered: frozenset[str] = frozenset()
 
     def may_release(self, c: ModeView, step: int) -> bool:
         return True
@@ -168,13 +186,22 @@ class Shifting:
             c.request_up([TRAINING])
 
     def on_change(self, c: ModeView) -> None:
-        pass
+        if not self.strategy.react:
+            return
+        cues = stall_cues(c)
+        if not c.idle():  # a shift in flight: plan once it is done, if the stall remains
+            self.answered &= cues
+            return
+        if cues - self.answered:
+            self._plan(c)
+        self.answered = cues
 
     def on_tick(self, c: ModeView) -> None:
-        now = c.cluster.now()
-        if now < self.next_plan or not c.idle():
-            return
-        self.next_plan = now + self.interval_s
+        if c.cluster.now() >= self.next_plan and c.idle():
+            self._plan(c)
+
+    def _plan(self, c: ModeView) -> None:
+        self.next_plan = c.cluster.now() + self.interval_s
         c.execute(self.strategy.plan(c.snapshot()))
 
 

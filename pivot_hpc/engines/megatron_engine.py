@@ -639,6 +639,7 @@ class MegatronTrainEngine:
         """Megatron distributed checkpoint of model + optimizer (collective)."""
         from megatron.core import dist_checkpointing
 
+        _in_process_write_results()
         path = Path(path)
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
@@ -694,3 +695,20 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     h.copy_(t.detach(), non_blocking=True)
     return h
+
+
+def _in_process_write_results() -> None:
+    """megatron-core's filesystem writer (0.16, `strategies/filesystem_async.py`) returns a
+    save's write results through a queue it creates on first use with a *spawn* context
+    multiprocessing Manager: a fresh interpreter, started at the first checkpoint in the
+    middle of the run (3 s on a loaded node, every training step waiting) and living on
+    beside the rank. We never save asynchronously, so that queue's only writer and reader is
+    this process: an in-process queue does the same job. Left alone if megatron-core no
+    longer has that module global."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+

@@ -37,6 +37,10 @@ from pivot_hpc.planner.snapshot import (
 
 class Strategy(Protocol):
     name: str
+    # Plan at once when the cluster stalls (a role with work and no replica, a role run
+    # dry while the other has work, a training batch waiting for its GPUs) instead of at
+    # the next planning interval (modes.Shifting).
+    react: bool
 
     def plan(self, snap: Snapshot) -> ShiftPlan: ...
 
@@ -201,6 +205,7 @@ class PivotStrategy:
         reprefill: bool = False,
         wait_repayment: bool = False,
         keep_reward: bool = False,
+        react: bool = False,
     ) -> None:
         self.name = name
         self.horizon = cfg.horizon_s
@@ -212,6 +217,10 @@ class PivotStrategy:
         # soon, and with no reward replica Eq. 1 drops to 0, so the planner buys GPUs back
         # at once; a replica idle "for free" is not free (seen as a 38 s up/down cycle).
         self.keep_reward = keep_reward
+        # pivot+: plan at once on a stall, not at the next interval. A live phase can end
+        # within one interval (tiny rollouts all finish in one engine step), and the GPUs
+        # then idle until the planner looks; the paper's planner looks every interval.
+        self.react = react
         self.max_up = max_up
         self.max_exact = cfg.max_exact_candidates
 
@@ -324,6 +333,7 @@ class StaticStrategy:
     """§8.4 static: lend idle training GPUs half to rollout, half to reward."""
 
     name = "static"
+    react = False
 
     def __init__(self, cfg: PlannerConfig) -> None:
         self.horizon = cfg.horizon_s
@@ -354,6 +364,7 @@ class RuleStrategy:
     """§8.4 rule-based: react to each role's KV-cache utilisation."""
 
     name = "rule"
+    react = False
 
     def __init__(self, cfg: PlannerConfig) -> None:
         self.horizon = cfg.horizon_s
@@ -402,7 +413,7 @@ def make_strategy(cfg: PlannerConfig) -> Strategy:
         return PivotStrategy(cfg)
     if cfg.strategy == "pivot+":
         return PivotStrategy(
-            cfg, name="pivot+", reprefill=True, wait_repayment=True, keep_reward=True
+            cfg, name="pivot+", reprefill=True, wait_repayment=True, keep_reward=True, react=True
         )
     if cfg.strategy == "vanilla":
         return PivotStrategy(cfg, name="vanilla", migration=False)

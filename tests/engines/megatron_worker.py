@@ -9,6 +9,7 @@ round trips. Rank 0 writes results.json and the trained canonical weights.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 import warnings
@@ -122,6 +123,8 @@ def main() -> None:
     # optimizer offload: state leaves the optimizer and training continues bit-exactly
     ckpt = out / "ckpt"
     e.save(ckpt)
+    # no helper process outlives a save (megatron's spawn-context results queue)
+    res["save_children"] = [p.name for p in multiprocessing.active_children()]
     e2 = engine(seed=9)
     e2.load(ckpt)
     same_params = all(torch.equal(a, b) for a, b in zip(e.params, e2.params, strict=True))

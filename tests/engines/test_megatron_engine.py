@@ -90,6 +90,7 @@ def test_megatron_engine(which, request):
     assert res["sft_metrics"]["nll"] > 0
     assert res["ckpt_params_bitwise"] and res["ckpt_optimizer_bitwise"]
     assert res["ckpt_counters"] == [2, 2]
+    assert res["save_children"] == []
     assert res["offloaded_state_entries"] == 0
     assert res["continue_bitwise"]
     assert res["released_numel"] == 0 and res["release_continue_bitwise"]

@@ -34,6 +34,7 @@ def test_bench_live_json(tmp_path: Path) -> None:
     ratio = res["tokens_per_s"]["pivot"] / res["tokens_per_s"]["disaggregated"]
     assert res["ratio_vs_best_static"] == pytest.approx(ratio)
     assert 0.0 <= res["transition_share"] < 1.0
+    assert res["runs"]["pivot"]["strategy"] == "pivot+"  # the tiny config's planner
     for mode in ("pivot", "disaggregated"):
         assert (tmp_path / mode / "telemetry").is_dir() and (tmp_path / f"{mode}.log").is_file()
 

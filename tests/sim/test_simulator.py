@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pivot_hpc.config import load_config
-from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.coordinator import modes
+from pivot_hpc.coordinator.rl_state import ConservationError, Sample
 from pivot_hpc.planner import role_of
 from pivot_hpc.scheduler import ThroughputModel
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, InferenceCosts, TrainingCosts, inference_costs
@@ -127,6 +128,25 @@ def test_pivot_plus_never_moves_gpus_back_before_a_plan_has_repaid() -> None:
     assert coord.rl.version == 4
     assert repaid, "no plan paid a penalty: the check saw nothing"
 
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_pivot_plus_plans_at_a_stall_without_waiting_for_its_interval(options: str) -> None:
+    """With a planning interval longer than the run, pivot+ still finishes: each stall (a
+    role with work and no replica, a role run dry while the other has work, a training
+    batch waiting for its GPUs) gets a plan at once. The paper's planner plans once at the
+    start and then waits: the stall guard fires."""
+    once = ["planner.interval_s=1e9", *OPTIONS[options]]
+    coord, _, _ = build(tiny("pivot", "planner.strategy=pivot+", *once))
+    mode, plans = coord.mode, []
+    plan = mode._plan
+    mode._plan = lambda c: (plans.append(modes.stall_cues(c)), plan(c))[-1]
+    coord.run()
+    assert coord.rl.version == 3 and not coord.samples
+    assert len(plans) >= 3 and all(plans), plans  # every plan answered a stall
+    paper, _, _ = build(tiny("pivot", "planner.strategy=pivot", *once))
+    with pytest.raises(ConservationError, match="no progress"):
+        paper.run()
 
 def test_elastic_training_grows_and_trains_faster() -> None:
     """Training-bound (a long step on 4 GPUs, inference short): before each step training
