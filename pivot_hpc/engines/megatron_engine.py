@@ -711,4 +711,3 @@ def _in_process_write_results() -> None:
 
     if getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
-
