@@ -129,7 +129,6 @@ def test_pivot_plus_never_moves_gpus_back_before_a_plan_has_repaid() -> None:
     assert repaid, "no plan paid a penalty: the check saw nothing"
 
 
-
 @pytest.mark.parametrize("options", list(OPTIONS))
 def test_pivot_plus_plans_at_a_stall_without_waiting_for_its_interval(options: str) -> None:
     """With a planning interval longer than the run, pivot+ still finishes: each stall (a
@@ -147,6 +146,7 @@ def test_pivot_plus_plans_at_a_stall_without_waiting_for_its_interval(options: s
     paper, _, _ = build(tiny("pivot", "planner.strategy=pivot", *once))
     with pytest.raises(ConservationError, match="no progress"):
         paper.run()
+
 
 def test_elastic_training_grows_and_trains_faster() -> None:
     """Training-bound (a long step on 4 GPUs, inference short): before each step training
