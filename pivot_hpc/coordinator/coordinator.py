@@ -467,6 +467,9 @@ class Coordinator:
     def training_waits(self) -> bool:
         return not self.training.active and self.rl.batch_ready()
 
+    def training_idle(self) -> bool:
+        return self.training.active and not self.training.busy
+
     def allocation(self) -> dict[str, int]:
         return self.shifts.allocation()
 

@@ -20,6 +20,9 @@ class RoleView(Protocol):
     @property
     def n_seq(self) -> int: ...  # sequences running or queued
 
+    @property
+    def n_idle_replicas(self) -> int: ...  # active replicas running nothing
+
 
 class Clock(Protocol):
     def now(self) -> float: ...
@@ -47,6 +50,10 @@ class ModeView(Protocol):
 
     def training_waits(self) -> bool:
         """A training batch is ready and training holds no GPU (they are lent out)."""
+        ...
+
+    def training_idle(self) -> bool:
+        """Training holds its GPUs and runs no step."""
         ...
 
     def snapshot(self) -> Snapshot: ...

@@ -146,16 +146,18 @@ class RolloutRewardColocated:
 
 
 def stall_cues(c: ModeView) -> frozenset[str]:
-    """What leaves GPUs idle until the planner acts: a training batch waiting for its
-    GPUs, a role with work and no replica, a role with replicas and no work while the
-    other role has work."""
-    cues = {"training"} if c.training_waits() else set()
-    ro, rm = c.schedulers["rollout"], c.schedulers["reward"]
-    for name, mine, other in (("rollout", ro, rm), ("reward", rm, ro)):
-        if mine.n_seq and not mine.replicas:
-            cues.add(f"{name} starved")
-        elif mine.replicas and not mine.n_seq and other.n_seq:
-            cues.add(f"{name} dry")
+    """Where GPUs idle while there is work they could take, until the planner acts: a
+    training batch waiting for its GPUs (lent out), or a role with sequences while
+    replicas of the other role, or training's GPUs, run nothing. (While every GPU is
+    busy there is no stall, even for a role with no replica: the next interval weighs it;
+    so a phase's first finishes do not pull running sequences around.)"""
+    cues = {"training batch waits"} if c.training_waits() else set()
+    idle = {r for r in ("rollout", "reward") if c.schedulers[r].n_idle_replicas}
+    if c.training_idle():
+        idle.add("training")
+    for role in ("rollout", "reward"):
+        if c.schedulers[role].n_seq:
+            cues |= {f"{role} has work, {src} idle" for src in idle if src != role}
     return frozenset(cues)
 
 

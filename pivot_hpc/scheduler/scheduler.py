@@ -220,6 +220,12 @@ class Scheduler:
         """N_seq of the role for Eq. 1: running plus waiting sequences."""
         return self._n_running + len(self._qpos) + len(self._pending)
 
+    @property
+    def n_idle_replicas(self) -> int:
+        """Active replicas running no sequence."""
+        m = len(self._rid_of)
+        return int(((self.n[:m] == 0) & (self.active[:m] != 0)).sum())
+
     def throughput(self) -> float:
         """Aggregate estimated throughput of the role (sum of replica T_i)."""
         m = len(self._rid_of)

@@ -131,9 +131,9 @@ def test_pivot_plus_never_moves_gpus_back_before_a_plan_has_repaid() -> None:
 
 @pytest.mark.parametrize("options", list(OPTIONS))
 def test_pivot_plus_plans_at_a_stall_without_waiting_for_its_interval(options: str) -> None:
-    """With a planning interval longer than the run, pivot+ still finishes: each stall (a
-    role with work and no replica, a role run dry while the other has work, a training
-    batch waiting for its GPUs) gets a plan at once. The paper's planner plans once at the
+    """With a planning interval longer than the run, pivot+ still finishes: after the
+    first plan, each stall (GPUs idle while the other role has work, a training batch
+    waiting for its GPUs) gets a plan at once. The paper's planner plans once at the
     start and then waits: the stall guard fires."""
     once = ["planner.interval_s=1e9", *OPTIONS[options]]
     coord, _, _ = build(tiny("pivot", "planner.strategy=pivot+", *once))
@@ -142,7 +142,7 @@ def test_pivot_plus_plans_at_a_stall_without_waiting_for_its_interval(options: s
     mode._plan = lambda c: (plans.append(modes.stall_cues(c)), plan(c))[-1]
     coord.run()
     assert coord.rl.version == 3 and not coord.samples
-    assert len(plans) >= 3 and all(plans), plans  # every plan answered a stall
+    assert len(plans) >= 3 and all(plans[1:]), plans  # after the first, only at stalls
     paper, _, _ = build(tiny("pivot", "planner.strategy=pivot", *once))
     with pytest.raises(ConservationError, match="no progress"):
         paper.run()
