@@ -248,6 +248,14 @@ class PivotStrategy:
                 timings=PlannerTimings(preprocess_s=time.perf_counter() - t0),
             )
         pairs = shift_pairs(snap, role, occupancy, wait_repayment=self.wait_repayment)
+        reward = snap.schedulers["reward"]
+        if self.keep_reward and role != "reward" and reward.replicas and snap.n_seq("rollout"):
+            # Reward keeps one replica, its busiest: pairs that would take it are left out
+            # before Alg. 1, so each k still gets its cheapest plan that leaves it. (Rejecting
+            # whole candidates afterwards left none when the kept replica's pair, at φ = 0,
+            # won Alg. 1's ties for every k: a stall with idle GPUs free to take.)
+            kept = max(reward.replica_views(), key=lambda v: (v.T, v.n_seq, -v.idx)).rid
+            pairs = [p for p in pairs if kept not in p.down]
         t1 = time.perf_counter()
         k_max = sum(len(p.up) for p in pairs)
         if self.max_up is not None:
@@ -261,18 +269,9 @@ class PivotStrategy:
         # positive and the run would stall. Each candidate is then worth what it lets the
         # chosen role make; the other role is served by the next round.
         both_starve = all(snap.n_seq(r) and snap.throughput(r) <= 0 for r in INFERENCE_ROLES)
-        n_reward = len(snap.schedulers["reward"].replicas)
-        keep_reward = (
-            self.keep_reward and role != "reward" and n_reward > 0 and snap.n_seq("rollout") > 0
-        )
 
         def evaluate(i: int) -> float:
             c = cands[i]
-            if keep_reward and sum(role_of(d) == "reward" for d in c.down) == n_reward:
-                evals.append(
-                    CandidateEval(c.k, list(c.up), list(c.down), c.penalty, 0.0, -math.inf)
-                )
-                return -math.inf
             t_new = sim.overall(c.up, c.down)
             gain = sim.role_throughput(role, c.up, c.down) if both_starve else t_new - t_cur
             phi = c.penalty + (sim.reprefill_cost(c.up, c.down) if self.reprefill else 0.0)

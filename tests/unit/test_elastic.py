@@ -199,6 +199,19 @@ def test_pivot_plus_keeps_the_last_reward_replica_while_rollouts_run() -> None:
     assert plus.plan(snap).down == ["reward:11"]
 
 
+def test_pivot_plus_keeps_a_reward_replica_without_stalling_a_starved_rollout() -> None:
+    """Rollout has work and no replica; reward's one replica idles on GPU 9, whose pair (at
+    φ = 0, like the free GPUs and idle training) wins Alg. 1's ties for every k. pivot+
+    keeps that replica and still gives rollout the free GPUs (it used to reject every
+    candidate, all of which took it, and the run stalled with GPUs idle)."""
+    snap = snapshot(topology(elastic=False), 0, 0, (400, 0))
+    snap.schedulers["reward"].add_replica(replica_id("reward", 9), 50_000, MODEL)
+    snap.training = TrainingState(active=True)
+    plan = make_strategy(PlannerConfig(strategy="pivot+")).plan(snap)
+    assert plan.up_role == "rollout" and plan.benefit > 0
+    assert "reward:9" not in plan.down and "rollout:9" not in plan.up
+
+
 def test_a_plan_is_repaid_at_its_break_even() -> None:
     """φ / (T_expected − T_current) after the decision; free and mandatory plans hold
     nothing back."""
