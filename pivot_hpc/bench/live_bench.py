@@ -10,9 +10,10 @@ paper's §8.1 measure), the share of GPU time in transition, shift-ups per step.
 JSON keys (a contract): `tokens_per_s` {mode: tokens/s}, `ratio_vs_best_static` (pivot
 over the best static mode), `transition_share` (pivot's fraction of GPU-seconds in
 transition); also `steps`, `best_static`, and per mode `runs` {strategy, duration_s,
-shifts_up, shifts_up_per_step, utilisation, wall_s}. The config's planner strategy is
-what pivot runs (the tiny config's: pivot+; `planner.strategy=pivot` for the paper's). `--modes …,pivot+elastic` adds pivot with
-elastic training (`planner.elastic_training=true`) and `ratio_elastic_vs_best_static`.
+shifts_up, shifts_up_per_step, utilisation, wall_s}. pivot runs the config's planner
+strategy (the tiny config's: pivot+; `planner.strategy=pivot` for the paper's).
+`--modes …,pivot+elastic` adds pivot with elastic training
+(`planner.elastic_training=true`) and `ratio_elastic_vs_best_static`.
 """
 
 from __future__ import annotations

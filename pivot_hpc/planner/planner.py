@@ -37,9 +37,8 @@ from pivot_hpc.planner.snapshot import (
 
 class Strategy(Protocol):
     name: str
-    # Plan at once when the cluster stalls (a role with work and no replica, a role run
-    # dry while the other has work, a training batch waiting for its GPUs) instead of at
-    # the next planning interval (modes.Shifting).
+    # Plan at once when GPUs idle while there is work they could take (modes.stall_cues),
+    # not only every planning interval (modes.Shifting).
     react: bool
 
     def plan(self, snap: Snapshot) -> ShiftPlan: ...
