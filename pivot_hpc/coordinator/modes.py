@@ -19,7 +19,7 @@ from pivot_hpc.config import Config
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator.mode_api import ModeView
 from pivot_hpc.planner import Strategy, make_strategy, replica_id
-from pivot_hpc.planner.snapshot import TRAINING, Topology
+from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING, Topology
 
 
 def slots_within(topology: Topology, role: str, gpus: set[int]) -> list[str]:
@@ -152,10 +152,10 @@ def stall_cues(c: ModeView) -> frozenset[str]:
     busy there is no stall, even for a role with no replica: the next interval weighs it;
     so a phase's first finishes do not pull running sequences around.)"""
     cues = {"training batch waits"} if c.training_waits() else set()
-    idle = {r for r in ("rollout", "reward") if c.schedulers[r].n_idle_replicas}
+    idle = {r for r in INFERENCE_ROLES if c.schedulers[r].n_idle_replicas}
     if c.training_idle():
-        idle.add("training")
-    for role in ("rollout", "reward"):
+        idle.add(TRAINING)
+    for role in INFERENCE_ROLES:
         if c.schedulers[role].n_seq:
             cues |= {f"{role} has work, {src} idle" for src in idle if src != role}
     return frozenset(cues)
