@@ -473,12 +473,6 @@ class TrainingCosts:
         """The training set's achieved FLOP/s."""
         return self.flops_per_s_per_gpu * self.gpus
 
-    def gpu_s_per_token_at(self, length: float) -> float:
-        """GPU-seconds per trained token of a sequence of `length` tokens (bounds)."""
-        return (self.flops_per_token + self.attn_flops_per_token2 * length) / (
-            self.flops_per_s_per_gpu
-        )
-
     def allreduce_s(self, gpus: int) -> float:
         dp = max(1, gpus // self.tp)
         if dp == 1:

@@ -12,10 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pivot_hpc.config import Config, to_dict
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.coordinator import Coordinator
+from pivot_hpc.sim.bound import bound_rates
 from pivot_hpc.sim.catalog import (
     HARDWARE,
     MODELS,
@@ -108,33 +111,11 @@ def build(
         policy_model=policy.name,
         reward_model=judge.name,
         config=json.dumps(to_dict(cfg)),
-        # For the work-conserving bound (telemetry/summary.py): each role's best tokens/s
-        # per GPU and training's GPU-seconds per trained token (linear part).
-        bound_rollout_per_gpu=best_per_gpu(costs["rollout"], "rollout", cfg.rollout.tp, cfg),
-        bound_reward_per_gpu=best_per_gpu(costs["reward"], "reward", cfg.reward.tp, cfg),
-        bound_train_gpu_s_per_token=train_costs.gpu_s_per_token_at(mean_train_length(cfg)),
+        # For the work-conserving bound (telemetry/summary.py): what the simulated engines
+        # charge per token of this run's samples at their best (sim/bound.py).
+        **bound_rates(cfg, costs, train_costs),
     )
     return coord, cluster, meta
-
-
-def mean_train_length(cfg: Config) -> float:
-    """A trained sequence's typical length (median prompt + median response)."""
-    w = cfg.sim.workload
-    return (w.prompt_len_min + w.prompt_len_max) / 2 + w.response_median
-
-
-def best_per_gpu(costs: InferenceCosts, role: str, tp: int, cfg: Config) -> float:
-    """A role's best tokens/s per GPU at its workload's mean context over a sequence's life
-    (prompt + half the response; for the GenRM prompt + response + half the judgement, at
-    median lengths): the per-GPU rate of the work-conserving bound."""
-    w = cfg.sim.workload
-    prompt = (w.prompt_len_min + w.prompt_len_max) / 2
-    if role == "rollout":
-        ctx = prompt + w.response_median / 2
-    else:
-        judgement = w.judgement_base + w.judgement_per_response_token * w.response_median
-        ctx = prompt + w.response_median + judgement / 2
-    return costs.best_rate(ctx) / tp
 
 
 def scale_to(cfg: Config, gpus: int) -> Config:
@@ -166,6 +147,24 @@ def scale_to(cfg: Config, gpus: int) -> Config:
         ),
         loop=dataclasses.replace(cfg.loop, batch_prompts=scaled(cfg.loop.batch_prompts)),
     )
+
+
+def steady_made(cluster: SimCluster, steps: np.ndarray, staleness: int) -> float | None:
+    """Tokens the engines made per second while the pipeline ran full: from the end of
+    step `staleness` (the fill is over) to the end of step N − staleness − 2 (the last
+    batch is released then; after it the pipeline drains). The steady-state throughput
+    instead credits each step's tokens to the window its step ends in, some of them made
+    during the fill; this counts work where it happened, so it is the rate to hold against
+    the work-conserving bound. None with fewer than 2·staleness + 3 completed steps."""
+    closed = len(steps) - staleness - 2
+    if closed <= staleness:
+        return None
+    by_step = steps[np.argsort(steps["step"], kind="stable")]
+    first, last = by_step[staleness], by_step[closed]
+    made_at = cluster.made_at_step_end
+    made = made_at[int(last["step"])] - made_at[int(first["step"])]
+    span = float(last["end"]) - float(first["end"])
+    return made / span if span > 0 else None
 
 
 def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> dict[str, Any]:
@@ -210,6 +209,7 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "tokens_per_s": tokens / span if span > 0 else 0.0,
         "tokens_per_s_steady": steady_state(steps, meta["staleness"]),
         "tokens_per_s_bound": work_conserving_bound(steps, meta.get, meta["gpus"]),
+        "tokens_per_s_steady_made": steady_made(cluster, steps, meta["staleness"]),
         "shifts": logs.shifts_up,
         "plans": logs.plans,
         "migrated_sequences": logs.migrated,

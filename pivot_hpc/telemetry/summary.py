@@ -11,8 +11,8 @@ Definitions (also in analysis/README.md):
 - work-conserving bound: tokens ÷ (GPU-seconds the run's work needs at each role's best
   per-GPU rate, no shift cost, ÷ GPUs): rollout tokens / best rollout tokens/s per GPU +
   reward tokens / best reward tokens/s per GPU + trained tokens × training GPU-seconds per
-  token, with the rates from the run's `bound_*` attributes (written by the simulator; None
-  for runs without them).
+  token, with the rates from the run's `bound_*` attributes (written by the simulator from
+  the lengths of the run's own samples, sim/bound.py; None for runs without them).
 - utilisation of a role: GPU-seconds it held ÷ all GPU-seconds, with the `allocation` series
   read as piecewise constant (a row holds until the next; the last until the run's end time).
 - shifts: `shifts` rows of kind "up" (one per replica joining a role); per step = ÷ steps.

@@ -133,6 +133,8 @@ def test_simulate_reports_steady_and_bound_for_every_mode() -> None:
         s = simulate(load_config(None, [*SMALL, f"deployment.mode={mode}", "loop.steps=4"]), None)
         bound = s["tokens_per_s_bound"]
         assert s["tokens_per_s"] > 0 and bound and s["tokens_per_s"] <= bound, (mode, s)
+        made = s["tokens_per_s_steady_made"]
+        assert made is None or 0 <= made <= bound, (mode, s)
         assert s["tokens_per_s_steady"] is not None or mode != "colocated"
 
 

@@ -1,0 +1,93 @@
+"""The work-conserving bound's per-role rates, from the lengths a simulated run draws.
+
+The bound (telemetry/summary.py) divides each role's tokens by a per-GPU rate. Those
+rates are what the simulated engine charges for the run's own samples at the best
+batching it allows, with no wait, shift or migration:
+
+- decode: an iteration with n sequences holding `tok` tokens takes A·tok + F(n) and
+  gives n tokens (sim/cluster.py). Summed over a run, the A part is exact whatever the
+  batching: Σ over sequences of A·(m·c₀ + m²/2), m tokens decoded from a c₀-token context
+  (the simulator's continuous form). F(n)/n falls with n, so every token costs at least
+  the F(n)/n of the largest batch the engine admits (its running cap, and the KV cache
+  over the shortest context).
+- prefill: each sequence's context once (prompt; prompt + response for the GenRM).
+- training: the FLOPs of every pass per trained sequence at the achieved per-GPU rate
+  (no all-reduce, no publish).
+
+Earlier builds took one rate per role at the median lengths. Response and judgement
+lengths are log-normal, so a decoded token's mean context is far above the median one
+(the long sequences hold most tokens, each at a long context): that "bound" charged the
+GenRM 1.45× (group 1) to 1.94× (group 2) fewer GPU-seconds than the simulator can spend
+at best, and no schedule could reach it.
+
+The samples are those the run releases, drawn again from the seeded workload: sample ids
+ascend by prompt and step, as `RLState.release` makes them. With dynamic sampling the
+replacements are not in the draw; the rates are then those of each batch's first draw.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pivot_hpc.config import Config
+from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
+from pivot_hpc.sim.workload import SimWorkload
+
+
+def drawn_lengths(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt, response, judgement) lengths of every sample the run releases."""
+    source = SimWorkload(cfg.sim.workload, cfg.sim.seed)
+    per_prompt = cfg.loop.samples_per_prompt
+    rows = []
+    for step in range(cfg.loop.steps):
+        for p in range(cfg.loop.batch_prompts):
+            prompt_index = step * cfg.loop.batch_prompts + p
+            for g in range(per_prompt):
+                s = source.make(prompt_index * per_prompt + g, step, prompt_index, g)
+                rows.append((s.prompt_len, s.payload.response_len, s.payload.judgement_len))
+    prompt, response, judgement = np.array(rows, dtype=np.float64).T
+    return prompt, response, judgement
+
+
+def min_fixed_per_token(costs: InferenceCosts, shortest_context: float) -> float:
+    """The least F(n)/n over the batches the engine admits (running cap; KV cache over
+    the shortest context)."""
+    n_max = max(1, int(costs.kv_capacity_tokens // max(1.0, shortest_context)))
+    if costs.max_running:
+        n_max = min(n_max, costs.max_running)
+    ns = np.unique(np.clip(np.geomspace(1, n_max, 64).astype(int), 1, n_max))
+    return min(costs.fixed(float(n)) / n for n in ns)
+
+
+def inference_gpu_s(
+    costs: InferenceCosts, tp: int, context: np.ndarray, tokens: np.ndarray
+) -> float:
+    """GPU-seconds to prefill each `context` and decode its `tokens`, at best batching."""
+    if not len(tokens):
+        return 0.0
+    decode_a = costs.A * float((tokens * context + tokens * tokens / 2.0).sum())
+    decode_f = float(tokens.sum()) * min_fixed_per_token(costs, float(context.min()))
+    prefill = costs.prefill_s_per_token * float(context.sum())
+    return tp * (decode_a + decode_f + prefill)
+
+
+def training_gpu_s(costs: TrainingCosts, lengths: np.ndarray) -> float:
+    """GPU-seconds of every pass over sequences of these lengths at the achieved rate."""
+    flops = costs.flops_per_token * lengths.sum() + costs.attn_flops_per_token2 * (lengths**2).sum()
+    return float(flops) / costs.flops_per_s_per_gpu
+
+
+def bound_rates(
+    cfg: Config, inference: dict[str, InferenceCosts], training: TrainingCosts
+) -> dict[str, float]:
+    """The run attributes `bound_rollout_per_gpu`, `bound_reward_per_gpu` (tokens per
+    GPU-second) and `bound_train_gpu_s_per_token` that telemetry/summary.py reads."""
+    prompt, response, judgement = drawn_lengths(cfg)
+    ro = inference_gpu_s(inference["rollout"], cfg.rollout.tp, prompt, response)
+    rm = inference_gpu_s(inference["reward"], cfg.reward.tp, prompt + response, judgement)
+    trained = prompt + response
+    return {
+        "bound_rollout_per_gpu": float(response.sum()) / ro,
+        "bound_reward_per_gpu": float(judgement.sum()) / rm,
+        "bound_train_gpu_s_per_token": training_gpu_s(training, trained) / float(trained.sum()),
+    }

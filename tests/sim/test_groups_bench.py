@@ -1,0 +1,67 @@
+"""`pivot-hpc bench groups --json` on a small simulated deployment: the contract keys, and
+the steady window's made rate against the work-conserving bound for every run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from pivot_hpc.cli.main import main
+from tests.sim.test_sim_workload import SMALL
+
+
+def _small_config(path: Path) -> Path:
+    tree: dict = {}
+    for item in SMALL:
+        key, value = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_bench_groups_json_keys_and_made_rates(tmp_path: Path, capsys) -> None:
+    config = _small_config(tmp_path / "small.yaml")
+    rc = main(
+        [
+            "bench",
+            "groups",
+            "--configs",
+            str(config),
+            "--steps",
+            "7",
+            "--strategies",
+            "pivot",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    group = out["groups"]["small"]
+    assert set(group["runs"]) == {
+        "colocated",
+        "disaggregated",
+        "rr_colocated",
+        "pivot",
+        "pivot/elastic",
+    }
+    for label, run in group["runs"].items():
+        assert {
+            "tokens_per_s",
+            "tokens_per_s_steady",
+            "tokens_per_s_bound",
+            "steady_over_bound",
+            "shifts",
+            "tokens_per_s_steady_made",
+        } <= set(run), label
+        assert 0 < run["steady_over_bound"] <= 1, (label, run)
+    assert group["best_static"] in ("colocated", "disaggregated", "rr_colocated")
+    for label in ("pivot", "pivot/elastic"):
+        ratios = group["ratios"][label]
+        for key in ("over_disaggregated", "over_colocated", "over_best_static"):
+            assert ratios[key] > 0 and ratios[f"made_{key}"] > 0, (label, ratios)
