@@ -20,8 +20,12 @@ class Cluster(Protocol):
         """Seconds since the run started (simulated or wall clock)."""
         ...
 
-    def shift_up(self, rid: str, version: int) -> None:
-        """Bring replica `rid` (or "training") up: read weights from GPS, reload context."""
+    def shift_up(self, rid: str, version: int, after: str | None = None) -> None:
+        """Bring replica `rid` (or "training") up: read weights from GPS, reload context.
+
+        `after`: a replica on exactly these GPUs whose shift-down is in flight; the shift-up
+        starts when that one has finished (its `ShiftDone` comes first), without waiting
+        for the coordinator to hear of it."""
         ...
 
     def shift_down(self, rid: str) -> None:

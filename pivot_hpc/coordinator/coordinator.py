@@ -58,6 +58,7 @@ class Stats:
 
     shifts_up: int = 0
     shifts_down: int = 0
+    shifts_chained: int = 0  # shift-ups sent with the shift-down on their GPUs
     plans: int = 0
     migrated: int = 0
     rebalanced: int = 0  # sequences moved onto idle replicas (scheduler.rebalance)

@@ -11,7 +11,7 @@ for (its ranks read the set's optimizer state from GPS, runtime/elastic.py).
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 
 from mpi4py import MPI
@@ -58,6 +58,10 @@ class LiveCluster:
         self._where: dict[tuple[str, int], int] = {}  # (role, seq) -> rank
         self._partial: dict[tuple[str, int], object] = {}  # aborted SeqResult, to resume
         self._shift_acks: dict[str, list[dict]] = defaultdict(list)
+        # rank -> the replicas its shift commands were for, in order: a worker acknowledges
+        # them in that order, also a chained shift-up sent before its shift-down's ack
+        self._shift_expect: dict[int, deque[str]] = defaultdict(deque)
+        self._after_down: dict[int, str] = {}  # rank -> replica chained after its down
         self._trained: dict[int, list[dict]] = defaultdict(list)
         self._members: dict[int, int] = {}  # step -> ranks training it
         self._optimizer_published = -1  # policy version whose optimizer state is in GPS
@@ -97,9 +101,13 @@ class LiveCluster:
         self._sending = [r for r in self._sending if not r.Test()]
 
     # ------------------------------------------------------------- actions
-    def shift_up(self, rid: str, version: int) -> None:
+    def shift_up(self, rid: str, version: int, after: str | None = None) -> None:
         ranks = self._ranks(rid)
         role = role_of(rid)
+        if after is not None and (role == TRAINING or sorted(ranks) != sorted(self.rank_of[after])):
+            raise ValueError(
+                f"{rid} cannot chain after {after}: not an inference replica on its GPUs"
+            )
         if role == TRAINING and rid != TRAINING and self._optimizer_published != version:
             # an extension joins: the set's first replica publishes its optimizer state
             # once per version (the joiners wait for it in GPS)
@@ -108,7 +116,11 @@ class LiveCluster:
             self._optimizer_published = version
         self.rank_of[rid] = ranks
         for i, r in enumerate(ranks):
-            self.role_of_rank[r] = rid
+            if after is None:
+                self.role_of_rank[r] = rid
+            else:  # the rank still serves `after` until its shift-down is acknowledged
+                self._after_down[r] = rid
+            self._shift_expect[r].append(rid)
             # a tp > 1 replica (sglang): its first rank leads the one engine over all its
             # GPUs; the others lend their GPUs and hold no engine (training: all train)
             self._send(r, msg.ShiftUp(role, version, leader=i == 0 or role == TRAINING))
@@ -118,6 +130,7 @@ class LiveCluster:
 
     def shift_down(self, rid: str) -> None:
         for r in self.rank_of[rid]:
+            self._shift_expect[r].append(rid)
             self._send(r, msg.ShiftDown())
 
     def start(self, rid: str, sample: Sample, role: str) -> None:
@@ -312,6 +325,7 @@ class LiveCluster:
                 if steps and rid is not None:
                     self._steps[role_of(rid)].extend(steps)
             case msg.Shifted(kind, phases):
+                rid = self._shift_expect[rank].popleft()
                 acks = self._shift_acks[rid]
                 acks.append(phases)
                 if len(acks) == len(self.rank_of[rid]):
@@ -319,7 +333,10 @@ class LiveCluster:
                     del self._shift_acks[rid]
                     if kind == "down":
                         for r in self.rank_of.pop(rid):
-                            self.role_of_rank.pop(r, None)
+                            if r in self._after_down:
+                                self.role_of_rank[r] = self._after_down.pop(r)
+                            else:
+                                self.role_of_rank.pop(r, None)
                     self._pending.append(ShiftDone(t, rid, kind, slowest))
             case msg.WeightsLoaded(version):
                 self._pending.append(WeightsUpdated(t, rid, version))

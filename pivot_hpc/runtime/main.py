@@ -381,7 +381,8 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
     print(
         f"pivot-hpc: done: {cfg.loop.steps} steps in {wall:.1f}s, "
         f"{coord.tokens_total / max(coord.last_step_end - coord.first_step_start, 1e-9):.0f} "
-        f"tokens/s (rollout+reward), {coord.stats.shifts_up} shift-ups, "
+        f"tokens/s (rollout+reward), {coord.stats.shifts_up} shift-ups "
+        f"({coord.stats.shifts_chained} chained after a shift-down), "
         f"{reward_trend(coord.stats.rewards)}{held_out_summary(evaluator)}"
         f"{monitor_summary(coord)}; "
         f"GenRM unparsable {samples.genrm_stats.unparsable}/"

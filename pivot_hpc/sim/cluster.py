@@ -138,6 +138,7 @@ class SimCluster:
         self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
         # step -> rollout + reward tokens the engines had made when its training ended
         self.made_at_step_end: dict[int, float] = {}
+        self._after_down: dict[str, tuple[str, int]] = {}  # down rid -> chained shift-up
 
     # ----------------------------------------------------------- engine
     def now(self) -> float:
@@ -172,7 +173,10 @@ class SimCluster:
         self._push(start + c * it + a * n * it * it / 2.0, FINISH, r.rid, r.version, None)
 
     # -------------------------------------------------------- cluster API
-    def shift_up(self, rid: str, version: int) -> None:
+    def shift_up(self, rid: str, version: int, after: str | None = None) -> None:
+        if after is not None:  # starts when `after`'s shift-down fires (see _fire)
+            self._after_down[after] = (rid, version)
+            return
         if rid == TRAINING:
             phases = dict(self.training.shift_up_s)
         elif role_of(rid) == TRAINING:  # an elastic extension
@@ -406,6 +410,8 @@ class SimCluster:
             return out
         if kind == SHIFT:
             direction, phases = payload
+            if direction == "down" and key in self._after_down:
+                self.shift_up(*self._after_down.pop(key))
             return [ShiftDone(self.t, key, direction, phases)]
         if kind == WEIGHTS:
             return [WeightsUpdated(self.t, key, int(payload))]

@@ -11,6 +11,7 @@ world down quickly with its traceback.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -77,6 +78,9 @@ def test_every_mode_completes(tmp_path: Path, mode: str) -> None:
     if mode == "pivot":
         assert len(r["planner"]) > 0
         assert "τ_shift measured rollout" in out.stdout and "A–D refitted" in out.stdout
+        # a GPU changing roles got its shift-up with its shift-down (ShiftExecutor._chainable)
+        chained = re.search(r"\((\d+) chained after a shift-down\)", out.stdout)
+        assert chained and int(chained.group(1)) > 0, out.stdout[-2000:]
     if mode == "disaggregated":
         assert "|Δlogp|=" in out.stdout and "masked=" in out.stdout
         assert (shifts["gpus"][shifts["role"] == "training"] == 2).all()

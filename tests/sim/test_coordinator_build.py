@@ -23,7 +23,7 @@ class RecordingCluster:
     def now(self) -> float:
         return 0.0
 
-    def shift_up(self, rid: str, version: int) -> None:
+    def shift_up(self, rid: str, version: int, after: str | None = None) -> None:
         self.calls.append(("up", rid, version))
 
     def shift_down(self, rid: str) -> None:

@@ -310,3 +310,36 @@ def test_bad_split_is_a_clear_error() -> None:
         build(tiny("disaggregated", "deployment.rollout_gpus=10", "deployment.reward_gpus=4"))
     with pytest.raises(ConfigError, match="colocated runs synchronously"):
         tiny("colocated", "deployment.staleness=2")
+
+
+def test_a_shift_up_on_the_gpus_of_a_shift_down_is_chained_after_it() -> None:
+    """A replica taking over exactly the GPUs of one shifting down is sent up with that
+    down (`after`): it starts when the down is done and finishes its own phases later;
+    the coordinator hears of the down first, and the run conserves every sample."""
+    coord, cluster, _ = build(tiny("pivot", "planner.strategy=pivot"))
+    chained: list[tuple[float, str, str]] = []  # (when sent, up rid, down rid)
+    done: list[tuple[float, str, str]] = []  # (t, rid, kind) in the order delivered
+    shift_up, poll = cluster.shift_up, cluster.poll
+
+    def recording_up(rid: str, version: int, after: str | None = None) -> None:
+        if after is not None:
+            assert set(coord.topology.gpus_of(rid)) == set(coord.topology.gpus_of(after))
+            assert coord.shifts.shifting.get(after) == "down"
+            chained.append((cluster.now(), rid, after))
+        shift_up(rid, version, after=after)
+
+    def recording_poll(until: float) -> list:
+        events = poll(until)
+        done.extend((e.t, e.rid, e.kind) for e in events if hasattr(e, "kind"))
+        return events
+
+    cluster.shift_up, cluster.poll = recording_up, recording_poll
+    coord.run()
+    assert coord.rl.version == 3 and coord.stats.shifts_chained == len(chained) > 0
+    for sent, rid, after in chained:
+        down = next(
+            i for i, (t, r, k) in enumerate(done) if r == after and k == "down" and t >= sent
+        )
+        up = next(i for i, (t, r, k) in enumerate(done) if r == rid and k == "up" and i > down)
+        phases = sum(cluster.inference[role_of(rid)].shift_up_s.values())
+        assert phases > 0 and done[up][0] == pytest.approx(done[down][0] + phases)
