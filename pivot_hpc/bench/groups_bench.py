@@ -15,9 +15,11 @@ JSON keys (a contract): `groups` → config stem → {`runs` → label → {`tok
 `best_static` (label), `ratios` → pivot label → {`over_disaggregated`, `over_colocated`,
 `over_best_static`} (steady-state throughput ratios; with enough steps also `made_over_…`,
 the same of `tokens_per_s_steady_made`)}; also `admission`, `steps`.
-Each run also reports `tokens_per_s_steady_made` (the tokens made per second while the
-pipeline ran full, see `sim.run.steady_made`); `steady_over_bound` is that rate over the
-work-conserving bound.
+Each run also reports `tokens_per_s_steady_made`: the work done while the pipeline runs
+full (tokens made and steps trained in that window, in GPU-seconds at the bound's rates)
+as tokens/s at the run's mix of work, see `sim.run.steady_work_share`; `steady_over_bound`
+is that over the work-conserving bound, the share of GPU time doing work at the bound's
+rates.
 """
 
 from __future__ import annotations
@@ -77,9 +79,9 @@ def _one(job: tuple[str, list[str]]) -> dict:
         "tokens_per_s_steady": s["tokens_per_s_steady"],
         "tokens_per_s_bound": bound,
         "tokens_per_s_steady_made": s["tokens_per_s_steady_made"],
-        # the work made while the pipeline ran full, not the steps' tokens: part of those
+        # the work done while the pipeline runs full, not the steps' tokens: part of those
         # was made during the fill, and the bound is a rate of work
-        "steady_over_bound": (s["tokens_per_s_steady_made"] or 0.0) / bound if bound else 0.0,
+        "steady_over_bound": s["steady_work_share"] or 0.0,
         "shifts": s["shifts"],
     }
 

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['gpus']} GPUs: {summary['steps']} steps in {summary['sim_time_s']:.0f} "
             f"simulated s, {summary['tokens_per_s']:.0f} tokens/s end to end, "
             f"{_num(summary['tokens_per_s_steady'])} steady "
-            f"({_num(summary['tokens_per_s_steady_made'])} made in the steady window), "
+            f"({_num(summary['tokens_per_s_steady_made'])} of work while the pipeline runs "
+            "full), "
             f"{_num(summary['tokens_per_s_bound'])} work-conserving bound, {summary['shifts']} shifts "
             f"({summary['wall_s']:.1f} s wall); telemetry in {args.out}/telemetry/"
         )

@@ -136,8 +136,8 @@ class SimCluster:
         self._tokens = {"rollout": 0.0, "reward": 0.0}
         self.preempted = 0  # sequences the engines retracted for KV space
         self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
-        # step -> rollout + reward tokens the engines had made when its training ended
-        self.made_at_step_end: dict[int, float] = {}
+        # step -> (rollout, reward) tokens the engines had made when its training ended
+        self.made_at_step_end: dict[int, tuple[float, float]] = {}
         self._after_down: dict[str, tuple[str, int]] = {}  # down rid -> chained shift-up
 
     # ----------------------------------------------------------- engine
@@ -418,9 +418,9 @@ class SimCluster:
         self.made_at_step_end[stamp] = self.made_tokens()
         return [TrainingDone(self.t, stamp, {"loss": float("nan")})]
 
-    def made_tokens(self) -> float:
-        """Rollout + reward tokens the engines have made so far (steady-state windows
+    def made_tokens(self) -> tuple[float, float]:
+        """(rollout, reward) tokens the engines have made so far (steady-state windows
         count the work done in them; a step's own tokens may be older)."""
         for r in self._replicas.values():
             self._advance(r)
-        return self._tokens["rollout"] + self._tokens["reward"]
+        return self._tokens["rollout"], self._tokens["reward"]

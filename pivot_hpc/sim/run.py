@@ -149,22 +149,31 @@ def scale_to(cfg: Config, gpus: int) -> Config:
     )
 
 
-def steady_made(cluster: SimCluster, steps: np.ndarray, staleness: int) -> float | None:
-    """Tokens the engines made per second while the pipeline ran full: from the end of
-    step `staleness` (the fill is over) to the end of step N − staleness − 2 (the last
-    batch is released then; after it the pipeline drains). The steady-state throughput
-    instead credits each step's tokens to the window its step ends in, some of them made
-    during the fill; this counts work where it happened, so it is the rate to hold against
-    the work-conserving bound. None with fewer than 2·staleness + 3 completed steps."""
+def steady_work_share(
+    cluster: SimCluster, steps: np.ndarray, staleness: int, meta: dict[str, Any]
+) -> float | None:
+    """The share of GPU time spent on work at the bound's rates while the pipeline runs
+    full: from the end of step `staleness` (the fill is over) to the end of step
+    N − staleness − 2 (the last batch is released then; after it the pipeline drains), the
+    rollout and reward tokens the engines made in it and the training of the steps
+    trained in it, in GPU-seconds at the work-conserving bound's rates, over GPUs × time.
+    The steady-state throughput credits each step's tokens to the window its step ends in,
+    some of them made during the fill, and a window's tokens alone miss the training done
+    in it; this counts all work where it happened. None with fewer than 2·staleness + 3
+    completed steps or without the bound's rates."""
     closed = len(steps) - staleness - 2
-    if closed <= staleness:
+    rates = [meta.get(k) for k in ("bound_rollout_per_gpu", "bound_reward_per_gpu")]
+    train = meta.get("bound_train_gpu_s_per_token")
+    if closed <= staleness or None in rates or train is None:
         return None
     by_step = steps[np.argsort(steps["step"], kind="stable")]
     first, last = by_step[staleness], by_step[closed]
-    made_at = cluster.made_at_step_end
-    made = made_at[int(last["step"])] - made_at[int(first["step"])]
+    ro1, rm1 = cluster.made_at_step_end[int(last["step"])]
+    ro0, rm0 = cluster.made_at_step_end[int(first["step"])]
+    trained = float(by_step["train_tokens"][staleness + 1 : closed + 1].sum())
+    gpu_s = (ro1 - ro0) / rates[0] + (rm1 - rm0) / rates[1] + trained * train
     span = float(last["end"]) - float(first["end"])
-    return made / span if span > 0 else None
+    return gpu_s / (meta["gpus"] * span) if span > 0 else None
 
 
 def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> dict[str, Any]:
@@ -199,6 +208,8 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
     tokens = coord.tokens_total
     steps = step_table(logs.steps)
     span = coord.last_step_end - coord.first_step_start
+    bound = work_conserving_bound(steps, meta.get, meta["gpus"])
+    share = steady_work_share(cluster, steps, meta["staleness"], meta)
     return {
         "mode": meta["mode"],
         "strategy": meta["strategy"],
@@ -208,8 +219,10 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "tokens": int(tokens),
         "tokens_per_s": tokens / span if span > 0 else 0.0,
         "tokens_per_s_steady": steady_state(steps, meta["staleness"]),
-        "tokens_per_s_bound": work_conserving_bound(steps, meta.get, meta["gpus"]),
-        "tokens_per_s_steady_made": steady_made(cluster, steps, meta["staleness"]),
+        "tokens_per_s_bound": bound,
+        "steady_work_share": share,
+        # the work of the full pipeline as tokens/s at the run's mix of work
+        "tokens_per_s_steady_made": share * bound if share is not None and bound else None,
         "shifts": logs.shifts_up,
         "plans": logs.plans,
         "migrated_sequences": logs.migrated,

@@ -18,9 +18,9 @@ from pivot_hpc.sim.catalog import (
     with_max_running,
 )
 from pivot_hpc.sim.cluster import SimCluster
-from pivot_hpc.sim.run import build, simulate, steady_made
+from pivot_hpc.sim.run import build, simulate, steady_work_share
 from pivot_hpc.sim.workload import SimPayload, SimWorkload
-from pivot_hpc.telemetry.summary import step_table
+from pivot_hpc.telemetry.summary import step_table, work_conserving_bound
 from tests.sim.test_sim_workload import SMALL
 
 
@@ -85,19 +85,31 @@ def test_the_bound_is_exact_at_the_engines_full_batch_and_below_any_other(n: int
     )
 
 
-def test_the_steady_window_counts_the_work_made_in_it() -> None:
+def test_the_steady_window_counts_the_work_done_in_it() -> None:
     # Colocated steps do not overlap: the window from the end of step 0 to the end of step
-    # N − 2 holds exactly the tokens of steps 1 … N − 2.
+    # N − 2 holds exactly the generation and the training of steps 1 … N − 2, so its work
+    # is theirs at the bound's rates.
     cfg = load_config(None, [*SMALL, "deployment.mode=colocated", "loop.steps=4"])
     coord, cluster, meta = build(cfg)
     coord.run()
-    steps = {row[0]: row for row in coord.stats.steps}
-    made = steady_made(cluster, step_table(coord.stats.steps), meta["staleness"])
-    tokens = sum(steps[k][3] + steps[k][4] for k in (1, 2))
-    assert made == pytest.approx(tokens / (steps[2][2] - steps[0][2]), rel=1e-6)
-    # Pipelined, it needs 2·staleness + 3 steps, and never exceeds the bound.
-    for mode in ("disaggregated", "pivot"):
-        s = simulate(load_config(None, [*SMALL, f"deployment.mode={mode}", "loop.steps=7"]), None)
-        assert 0 < s["tokens_per_s_steady_made"] <= s["tokens_per_s_bound"], (mode, s)
+    steps = step_table(coord.stats.steps)
+    share = steady_work_share(cluster, steps, meta["staleness"], meta)
+    inside = steps[(steps["step"] >= 1) & (steps["step"] <= 2)]
+    span = float(inside["end"].max() - steps["end"][steps["step"] == 0][0])
+    tokens = float(inside["rollout_tokens"].sum() + inside["reward_tokens"].sum())
+    gpus = meta["gpus"]
+    gpu_s = tokens * gpus / work_conserving_bound(inside, meta.get, gpus)
+    assert share == pytest.approx(gpu_s / (gpus * span), rel=1e-6)
+    # Pipelined, it needs 2·staleness + 3 steps, and is a share of the GPU time (≤ 1),
+    # also when training is the larger part of the work.
+    training_bound = ["sim.workload.judgement_base=50", "training.num_gpus=1"]
+    for mode in ("disaggregated", "rr_colocated", "pivot"):
+        for extra in ([], training_bound):
+            over = [*SMALL, f"deployment.mode={mode}", "loop.steps=7", *extra]
+            s = simulate(load_config(None, over), None)
+            assert 0 < s["steady_work_share"] <= 1, (mode, extra, s)
+            assert s["tokens_per_s_steady_made"] == pytest.approx(
+                s["steady_work_share"] * s["tokens_per_s_bound"]
+            )
     short = simulate(load_config(None, [*SMALL, "deployment.mode=pivot", "loop.steps=6"]), None)
-    assert short["tokens_per_s_steady_made"] is None
+    assert short["steady_work_share"] is None and short["tokens_per_s_steady_made"] is None
