@@ -104,6 +104,8 @@ class LiveCluster:
     def shift_up(self, rid: str, version: int, after: str | None = None) -> None:
         ranks = self._ranks(rid)
         role = role_of(rid)
+        if after is not None and after not in self.rank_of:
+            after = None  # its down is acknowledged already (the coordinator has yet to hear)
         if after is not None and (role == TRAINING or sorted(ranks) != sorted(self.rank_of[after])):
             raise ValueError(
                 f"{rid} cannot chain after {after}: not an inference replica on its GPUs"

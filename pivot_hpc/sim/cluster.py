@@ -139,6 +139,7 @@ class SimCluster:
         # step -> (rollout, reward) tokens the engines had made when its training ended
         self.made_at_step_end: dict[int, tuple[float, float]] = {}
         self._after_down: dict[str, tuple[str, int]] = {}  # down rid -> chained shift-up
+        self._going_down: set[str] = set()  # replicas whose shift-down has not fired
 
     # ----------------------------------------------------------- engine
     def now(self) -> float:
@@ -174,7 +175,7 @@ class SimCluster:
 
     # -------------------------------------------------------- cluster API
     def shift_up(self, rid: str, version: int, after: str | None = None) -> None:
-        if after is not None:  # starts when `after`'s shift-down fires (see _fire)
+        if after in self._going_down:  # starts when `after`'s shift-down fires (see _fire)
             self._after_down[after] = (rid, version)
             return
         if rid == TRAINING:
@@ -201,6 +202,7 @@ class SimCluster:
                 )
             r.version += 1
             phases = dict(r.costs.shift_down_s)
+        self._going_down.add(rid)
         self._push(self.t + sum(phases.values()), SHIFT, rid, 0, ("down", phases))
 
     def start(self, rid: str, sample: Sample, role: str) -> None:
@@ -410,8 +412,10 @@ class SimCluster:
             return out
         if kind == SHIFT:
             direction, phases = payload
-            if direction == "down" and key in self._after_down:
-                self.shift_up(*self._after_down.pop(key))
+            if direction == "down":
+                self._going_down.discard(key)
+                if key in self._after_down:
+                    self.shift_up(*self._after_down.pop(key))
             return [ShiftDone(self.t, key, direction, phases)]
         if kind == WEIGHTS:
             return [WeightsUpdated(self.t, key, int(payload))]

@@ -343,3 +343,24 @@ def test_a_shift_up_on_the_gpus_of_a_shift_down_is_chained_after_it() -> None:
         up = next(i for i, (t, r, k) in enumerate(done) if r == rid and k == "up" and i > down)
         phases = sum(cluster.inference[role_of(rid)].shift_up_s.values())
         assert phases > 0 and done[up][0] == pytest.approx(done[down][0] + phases)
+
+
+def test_a_chained_shift_up_after_a_down_that_already_fired_starts_at_once() -> None:
+    """The coordinator may chain after a down whose completion it has not handled yet
+    (the same batch of events): the cluster then starts the up at once."""
+    costs = inference_costs(MODELS["qwen2.5-1.5b"], HARDWARE["h20"], 1)
+    sim = SimCluster(inference={"rollout": costs, "reward": costs}, training=None)
+    up_s = sum(costs.shift_up_s.values())
+    sim.shift_up("rollout:0", 0)
+    assert [e.kind for e in sim.poll(1e9)] == ["up"]
+    sim.shift_down("rollout:0")
+    sim.shift_up("reward:0", 0, after="rollout:0")  # chained: waits for the down
+    (down,) = sim.poll(1e9)
+    (chained,) = sim.poll(1e9)
+    assert (down.kind, chained.kind, chained.rid) == ("down", "up", "reward:0")
+    assert chained.t == pytest.approx(down.t + up_s)
+    sim.shift_down("reward:0")
+    (down,) = sim.poll(1e9)
+    sim.shift_up("rollout:0", 0, after="reward:0")  # its down has fired already
+    (late,) = sim.poll(1e9)
+    assert late.rid == "rollout:0" and late.t == pytest.approx(down.t + up_s)
