@@ -50,13 +50,14 @@ def drawn_lengths(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def min_fixed_per_token(costs: InferenceCosts, shortest_context: float) -> float:
-    """The least F(n)/n over the batches the engine admits (running cap; KV cache over
-    the shortest context)."""
+    """F(n)/n at the largest batch the engine admits (running cap; KV cache over the
+    shortest context). F(n)/n = max(B(n)/n, C) + S + D/n never rises with n (B(n), the
+    weights streamed, is constant or grows ever slower as more experts are touched), so
+    that batch is the cheapest per token."""
     n_max = max(1, int(costs.kv_capacity_tokens // max(1.0, shortest_context)))
     if costs.max_running:
         n_max = min(n_max, costs.max_running)
-    ns = np.unique(np.clip(np.geomspace(1, n_max, 64).astype(int), 1, n_max))
-    return min(costs.fixed(float(n)) / n for n in ns)
+    return costs.fixed(float(n_max)) / n_max
 
 
 def inference_gpu_s(
