@@ -86,6 +86,16 @@ def _one(job: tuple[str, list[str]]) -> dict:
     }
 
 
+def _over_static(rate: dict[str, float], label: str, prefix: str) -> dict[str, float]:
+    """`label`'s rate over disaggregated, colocated and the best static mode."""
+    best = max(STATIC, key=lambda m: rate[m])
+    return {
+        f"{prefix}over_disaggregated": rate[label] / rate["disaggregated"],
+        f"{prefix}over_colocated": rate[label] / rate["colocated"],
+        f"{prefix}over_best_static": rate[label] / rate[best],
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     from pivot_hpc.errors import UsageError
 
@@ -134,24 +144,12 @@ def run(args: argparse.Namespace) -> dict:
     for g in groups.values():
         runs = g["runs"]
         steady = {k: v["tokens_per_s_steady"] for k, v in runs.items()}
-        best = max(STATIC, key=lambda m: steady[m])
-        g["best_static"] = best
-        g["ratios"] = {
-            k: {
-                "over_disaggregated": steady[k] / steady["disaggregated"],
-                "over_colocated": steady[k] / steady["colocated"],
-                "over_best_static": steady[k] / steady[best],
-            }
-            for k in runs
-            if k not in STATIC
-        }
-        made = {k: v["tokens_per_s_steady_made"] for k, v in runs.items()}
+        g["best_static"] = max(STATIC, key=lambda m: steady[m])
+        g["ratios"] = {k: _over_static(steady, k, "") for k in runs if k not in STATIC}
+        made = {k: v["tokens_per_s_steady_made"] or 0.0 for k, v in runs.items()}
         if all(made[m] for m in STATIC):  # None with too few steps
-            best_made = max(STATIC, key=lambda m: made[m])
             for k, r in g["ratios"].items():
-                r["made_over_disaggregated"] = (made[k] or 0.0) / made["disaggregated"]
-                r["made_over_colocated"] = (made[k] or 0.0) / made["colocated"]
-                r["made_over_best_static"] = (made[k] or 0.0) / made[best_made]
+                r.update(_over_static(made, k, "made_"))
     out = {"groups": groups, "admission": args.admission, "steps": args.steps}
     if not args.json:
         for name, g in groups.items():

@@ -72,12 +72,6 @@ def inference_gpu_s(
     return tp * (decode_a + decode_f + prefill)
 
 
-def training_gpu_s(costs: TrainingCosts, lengths: np.ndarray) -> float:
-    """GPU-seconds of every pass over sequences of these lengths at the achieved rate."""
-    flops = costs.flops_per_token * lengths.sum() + costs.attn_flops_per_token2 * (lengths**2).sum()
-    return float(flops) / costs.flops_per_s_per_gpu
-
-
 def bound_rates(
     cfg: Config, inference: dict[str, InferenceCosts], training: TrainingCosts
 ) -> dict[str, float]:
@@ -90,5 +84,8 @@ def bound_rates(
     return {
         "bound_rollout_per_gpu": float(response.sum()) / ro,
         "bound_reward_per_gpu": float(judgement.sum()) / rm,
-        "bound_train_gpu_s_per_token": training_gpu_s(training, trained) / float(trained.sum()),
+        # every pass's FLOPs at the achieved per-GPU rate (no all-reduce, no publish)
+        "bound_train_gpu_s_per_token": training.flops(trained)
+        / training.flops_per_s_per_gpu
+        / float(trained.sum()),
     }

@@ -485,9 +485,13 @@ class TrainingCosts:
         """Seconds for one step over sequences of these lengths (prompt + response) on
         `gpus` GPUs (default: the training set)."""
         g = self.gpus if gpus is None else gpus
-        x = np.asarray(lengths, dtype=float)
-        flops = self.flops_per_token * x.sum() + self.attn_flops_per_token2 * (x * x).sum()
+        flops = self.flops(lengths)
         return flops / (self.flops_per_s_per_gpu * g) + self.allreduce_s(g) + self.publish_s
+
+    def flops(self, lengths: Sequence[int] | np.ndarray) -> float:
+        """FLOPs of every pass over sequences of these lengths (prompt + response)."""
+        x = np.asarray(lengths, dtype=float)
+        return float(self.flops_per_token * x.sum() + self.attn_flops_per_token2 * (x * x).sum())
 
     # the coordinator's TrainingTime protocol (coordinator/monitor.py)
     def ready(self) -> bool:

@@ -34,7 +34,12 @@ from pivot_hpc.sim.catalog import (
 )
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
-from pivot_hpc.telemetry.summary import steady_state, step_table, work_conserving_bound
+from pivot_hpc.telemetry.summary import (
+    bound_gpu_s,
+    steady_state,
+    step_table,
+    work_conserving_bound,
+)
 
 
 def role_model(cfg: Config, role: str) -> ModelSpec:
@@ -162,18 +167,16 @@ def steady_work_share(
     in it; this counts all work where it happened. None with fewer than 2·staleness + 3
     completed steps or without the bound's rates."""
     closed = len(steps) - staleness - 2
-    rates = [meta.get(k) for k in ("bound_rollout_per_gpu", "bound_reward_per_gpu")]
-    train = meta.get("bound_train_gpu_s_per_token")
-    if closed <= staleness or None in rates or train is None:
+    if closed <= staleness:
         return None
     by_step = steps[np.argsort(steps["step"], kind="stable")]
     first, last = by_step[staleness], by_step[closed]
     ro1, rm1 = cluster.made_at_step_end[int(last["step"])]
     ro0, rm0 = cluster.made_at_step_end[int(first["step"])]
     trained = float(by_step["train_tokens"][staleness + 1 : closed + 1].sum())
-    gpu_s = (ro1 - ro0) / rates[0] + (rm1 - rm0) / rates[1] + trained * train
+    gpu_s = bound_gpu_s(ro1 - ro0, rm1 - rm0, trained, meta.get)
     span = float(last["end"]) - float(first["end"])
-    return gpu_s / (meta["gpus"] * span) if span > 0 else None
+    return gpu_s / (meta["gpus"] * span) if gpu_s is not None and span > 0 else None
 
 
 def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> dict[str, Any]:

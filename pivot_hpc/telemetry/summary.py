@@ -86,15 +86,23 @@ def steady_state(steps: np.ndarray, staleness: int) -> float | None:
     return tokens / span if span > 0 else None
 
 
-def work_conserving_bound(steps: np.ndarray, attr: Any, gpus: int | None) -> float | None:
-    """Tokens/s if every GPU ran its role's best per-GPU rate with no shift cost."""
+def bound_gpu_s(rollout: float, reward: float, trained: float, attr: Any) -> float | None:
+    """GPU-seconds of that much work at the bound's rates (the run's `bound_*`
+    attributes; None without them)."""
     rates = [attr(k) for k in ("bound_rollout_per_gpu", "bound_reward_per_gpu")]
     train = attr("bound_train_gpu_s_per_token")
-    if not len(steps) or not gpus or None in rates or train is None or min(rates) <= 0:
+    if None in rates or train is None or min(rates) <= 0:
+        return None
+    return rollout / rates[0] + reward / rates[1] + trained * train
+
+
+def work_conserving_bound(steps: np.ndarray, attr: Any, gpus: int | None) -> float | None:
+    """Tokens/s if every GPU ran its role's best per-GPU rate with no shift cost."""
+    if not len(steps) or not gpus:
         return None
     ro, rm = float(steps["rollout_tokens"].sum()), float(steps["reward_tokens"].sum())
-    gpu_s = ro / rates[0] + rm / rates[1] + float(steps["train_tokens"].sum()) * train
-    return (ro + rm) / (gpu_s / gpus) if gpu_s > 0 else None
+    gpu_s = bound_gpu_s(ro, rm, float(steps["train_tokens"].sum()), attr)
+    return (ro + rm) / (gpu_s / gpus) if gpu_s else None
 
 
 def utilisation(alloc: np.ndarray, end_time: float) -> dict[str, float]:
