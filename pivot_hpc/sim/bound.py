@@ -20,8 +20,8 @@ lengths are log-normal, so a decoded token's mean context is far above the media
 GenRM 1.45× (group 1) to 1.94× (group 2) fewer GPU-seconds than the simulator can spend
 at best, and no schedule could reach it.
 
-The samples are those the run releases, drawn again from the seeded workload: sample ids
-ascend by prompt and step, as `RLState.release` makes them. With dynamic sampling the
+The samples are those the run releases, drawn again from the seeded workload by the
+run's own `RLState.release` (the same sample ids, so the same lengths). With dynamic sampling the
 replacements are not in the draw; the rates are then those of each batch's first draw.
 """
 
@@ -30,21 +30,20 @@ from __future__ import annotations
 import numpy as np
 
 from pivot_hpc.config import Config
+from pivot_hpc.coordinator import build as builder
 from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
 from pivot_hpc.sim.workload import SimWorkload
 
 
 def drawn_lengths(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt, response, judgement) lengths of every sample the run releases."""
-    source = SimWorkload(cfg.sim.workload, cfg.sim.seed)
-    per_prompt = cfg.loop.samples_per_prompt
-    rows = []
-    for step in range(cfg.loop.steps):
-        for p in range(cfg.loop.batch_prompts):
-            prompt_index = step * cfg.loop.batch_prompts + p
-            for g in range(per_prompt):
-                s = source.make(prompt_index * per_prompt + g, step, prompt_index, g)
-                rows.append((s.prompt_len, s.payload.response_len, s.payload.judgement_len))
+    rl = builder.rl_state(cfg, SimWorkload(cfg.sim.workload, cfg.sim.seed))
+    rl.staleness = cfg.loop.steps  # release every batch up front, untrained
+    rows = [
+        (s.prompt_len, s.payload.response_len, s.payload.judgement_len)
+        for _ in range(cfg.loop.steps)
+        for s in rl.release()
+    ]
     prompt, response, judgement = np.array(rows, dtype=np.float64).T
     return prompt, response, judgement
 
