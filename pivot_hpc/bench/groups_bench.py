@@ -11,20 +11,28 @@ settings. The simulator is deterministic for a seed: the numbers are simulated t
 not timings of this machine.
 
 JSON keys (a contract): `groups` → config stem → {`runs` → label → {`tokens_per_s`,
-`tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`},
+`tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`, `tokens_per_s_critical_path`,
+`end_to_end_over_bounds`},
 `best_static` (label), `ratios` → pivot label → {`over_disaggregated`, `over_colocated`,
 `over_best_static`} (steady-state throughput ratios; with enough steps also `made_over_…`,
-the same of `tokens_per_s_steady_made`)}; also `admission`, `steps`.
+the same of `tokens_per_s_steady_made`), and with enough steps `ratio_ceiling` → {`over_disaggregated`,
+`over_colocated`, `over_best_static`}: the work-conserving bound over each static mode's made
+rate, the highest `made_over_…` ratio any schedule of these GPUs could reach (a ratio goal
+above it is out of reach whatever the planner does)}; also `admission`, `steps`.
 Each run also reports `tokens_per_s_steady_made`: the work done while the pipeline runs
 full (tokens made and steps trained in that window, in GPU-seconds at the bound's rates)
 as tokens/s at the run's mix of work, see `sim.run.steady_work_share`; `steady_over_bound`
 is that over the work-conserving bound, the share of GPU time doing work at the bound's
-rates.
+rates. `tokens_per_s_critical_path` is the second bound (sim/bound.py): no schedule runs
+faster than each step's longest sample alone plus its training on every GPU allow, at the
+run's staleness; `end_to_end_over_bounds` is the run's end-to-end throughput over the
+lower of the two bounds — how much of what is possible the run reached.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -83,6 +91,10 @@ def _one(job: tuple[str, list[str]]) -> dict:
         # was made during the fill, and the bound is a rate of work
         "steady_over_bound": s["steady_work_share"] or 0.0,
         "shifts": s["shifts"],
+        "tokens_per_s_critical_path": s["tokens_per_s_critical_path"],
+        # both bounds hold end to end (fill and drain included), so this share is <= 1
+        "end_to_end_over_bounds": s["tokens_per_s"]
+        / min(bound or math.inf, s["tokens_per_s_critical_path"]),
     }
 
 
@@ -150,12 +162,26 @@ def run(args: argparse.Namespace) -> dict:
         if all(made[m] for m in STATIC):  # None with too few steps
             for k, r in g["ratios"].items():
                 r.update(_over_static(made, k, "made_"))
+            # every run of a group draws the same samples, so one bound serves them all
+            made["bound"] = runs["disaggregated"]["tokens_per_s_bound"]
+            g["ratio_ceiling"] = _over_static(made, "bound", "")
     out = {"groups": groups, "admission": args.admission, "steps": args.steps}
     if not args.json:
         for name, g in groups.items():
             print(f"{name} (admission {args.admission}; best static: {g['best_static']})")
             rows = [
-                ["run", "tok/s", "steady", "made", "bound", "made/bound", "shifts", "÷best static"]
+                [
+                    "run",
+                    "tok/s",
+                    "steady",
+                    "made",
+                    "bound",
+                    "made/bound",
+                    "crit. path",
+                    "tok/s÷bounds",
+                    "shifts",
+                    "÷best static",
+                ]
             ]
             for k, v in g["runs"].items():
                 ratio = g["ratios"].get(k, {}).get("over_best_static")
@@ -167,9 +193,19 @@ def run(args: argparse.Namespace) -> dict:
                         f"{v['tokens_per_s_steady_made'] or 0:.0f}",
                         f"{v['tokens_per_s_bound']:.0f}",
                         f"{v['steady_over_bound']:.2f}",
+                        f"{v['tokens_per_s_critical_path']:.0f}",
+                        f"{v['end_to_end_over_bounds']:.2f}",
                         str(v["shifts"]),
                         "" if ratio is None else f"{ratio:.2f}",
                     ]
                 )
             print(table(rows))
+            if "ratio_ceiling" in g:
+                c = g["ratio_ceiling"]
+                print(
+                    "ceiling (bound ÷ a static mode's made rate, the most any planner can "
+                    f"show): ÷disaggregated {c['over_disaggregated']:.2f}, "
+                    f"÷colocated {c['over_colocated']:.2f}, "
+                    f"÷best static {c['over_best_static']:.2f}"
+                )
     return out

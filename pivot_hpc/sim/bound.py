@@ -20,6 +20,16 @@ lengths are log-normal, so a decoded token's mean context is far above the media
 GenRM 1.45× (group 1) to 1.94× (group 2) fewer GPU-seconds than the simulator can spend
 at best, and no schedule could reach it.
 
+A second bound reads the same samples for the pipeline's critical path: with staleness s,
+batch k + s + 1 is released only once step k has trained, so every step k costs at least
+its longest sample's rollout and judgement, each alone on a replica (an iteration's
+A·tok + F(n) is least at n = 1), plus its training's FLOPs on every GPU of the cluster. A
+run of N steps then lasts at least the largest sum of those chains over steps k, k + s + 1,
+k + 2(s + 1), …; its tokens over that time are `bound_critical_path` (tokens/s). With
+short batches, few GPUs' worth of work per step or heavy tails it is far below the
+work-conserving bound, and no planner can pass it: the batch's longest samples, not the
+GPUs, set the pace.
+
 The samples are those the run releases, drawn again from the seeded workload by the
 run's own `RLState.release` (the same sample ids, so the same lengths). With dynamic sampling the
 replacements are not in the draw; the rates are then those of each batch's first draw.
@@ -48,6 +58,11 @@ def drawn_lengths(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return prompt, response, judgement
 
 
+def batched_lengths(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`drawn_lengths` as (steps, batch size) arrays: row k is batch k."""
+    return tuple(x.reshape(cfg.loop.steps, -1) for x in drawn_lengths(cfg))  # type: ignore[return-value]
+
+
 def min_fixed_per_token(costs: InferenceCosts, shortest_context: float) -> float:
     """F(n)/n at the largest batch the engine admits (running cap; KV cache over the
     shortest context). F(n)/n = max(B(n)/n, C) + S + D/n never rises with n (B(n), the
@@ -69,6 +84,35 @@ def inference_gpu_s(
     decode_f = float(tokens.sum()) * min_fixed_per_token(costs, float(context.min()))
     prefill = costs.prefill_s_per_token * float(context.sum())
     return tp * (decode_a + decode_f + prefill)
+
+
+def solo_seconds(costs: InferenceCosts, context: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Seconds each sequence takes alone on one replica: prefill its context, then decode
+    its tokens at F(1) + A·(its own tokens) an iteration, the least any batching allows."""
+    return (
+        costs.prefill_s_per_token * context
+        + tokens * costs.fixed(1.0)
+        + costs.A * (tokens * context + tokens * tokens / 2.0)
+    )
+
+
+def critical_path_rate(
+    cfg: Config,
+    inference: dict[str, InferenceCosts],
+    training: TrainingCosts,
+    staleness: int,
+    gpus: int,
+) -> float:
+    """Tokens/s (rollout + reward) that no schedule of `gpus` GPUs beats over the run at
+    staleness `staleness`: see the module docstring."""
+    prompt, response, judgement = batched_lengths(cfg)
+    sample = solo_seconds(inference["rollout"], prompt, response) + solo_seconds(
+        inference["reward"], prompt + response, judgement
+    )
+    train = np.array([training.flops(p + r) for p, r in zip(prompt, response, strict=True)])
+    chain = sample.max(axis=1) + train / (training.flops_per_s_per_gpu * gpus)
+    span = max(chain[r :: staleness + 1].sum() for r in range(staleness + 1))
+    return float((response.sum() + judgement.sum()) / span)
 
 
 def bound_rates(

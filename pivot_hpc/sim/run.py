@@ -18,7 +18,7 @@ from pivot_hpc.config import Config, to_dict
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.coordinator import Coordinator
-from pivot_hpc.sim.bound import bound_rates
+from pivot_hpc.sim.bound import bound_rates, critical_path_rate
 from pivot_hpc.sim.catalog import (
     HARDWARE,
     MODELS,
@@ -119,6 +119,9 @@ def build(
         # For the work-conserving bound (telemetry/summary.py): what the simulated engines
         # charge per token of this run's samples at their best (sim/bound.py).
         **bound_rates(cfg, costs, train_costs),
+    )
+    meta["bound_critical_path"] = critical_path_rate(
+        cfg, costs, train_costs, meta["staleness"], meta["gpus"]
     )
     return coord, cluster, meta
 
@@ -223,6 +226,7 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "tokens_per_s": tokens / span if span > 0 else 0.0,
         "tokens_per_s_steady": steady_state(steps, meta["staleness"]),
         "tokens_per_s_bound": bound,
+        "tokens_per_s_critical_path": meta["bound_critical_path"],
         "steady_work_share": share,
         # the work of the full pipeline as tokens/s at the run's mix of work
         "tokens_per_s_steady_made": share * bound if share is not None and bound else None,

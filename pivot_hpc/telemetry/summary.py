@@ -231,6 +231,8 @@ def summarise(run: Run) -> dict[str, Any]:
         "tokens_per_s": e2e["tokens_per_s"],
         "tokens_per_s_steady": steady_state(steps, int(run.attr("staleness", 0) or 0)),
         "tokens_per_s_bound": work_conserving_bound(steps, run.attr, run.attr("gpus")),
+        # simulated runs: no schedule passes the pipeline's critical path (sim/bound.py)
+        "tokens_per_s_critical_path": run.attr("bound_critical_path"),
         "end_time_s": run.end_time,
         "reward_mean_first": float(steps["reward_mean"][0]) if len(steps) else None,
         "reward_mean_last": float(steps["reward_mean"][-1]) if len(steps) else None,
@@ -273,7 +275,12 @@ def format_summary(s: dict[str, Any]) -> str:
         f"throughput {s['tokens_per_s']:.1f} tokens/s end to end "
         f"({s['tokens']} rollout+reward tokens)   steady state "
         f"{_num(s['tokens_per_s_steady'], '{:.1f}')}   work-conserving bound "
-        f"{_num(s['tokens_per_s_bound'], '{:.1f}')}",
+        f"{_num(s['tokens_per_s_bound'], '{:.1f}')}"
+        + (
+            f"   critical-path bound {s['tokens_per_s_critical_path']:.1f}"
+            if s.get("tokens_per_s_critical_path")
+            else ""
+        ),
         f"reward     first step {_num(s['reward_mean_first'], '{:.4f}')}   "
         f"last step {_num(s['reward_mean_last'], '{:.4f}')}",
         "GPU time   " + "   ".join(f"{r} {100 * u[r]:.1f}%" for r in ALLOC_ROLES),

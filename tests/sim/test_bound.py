@@ -9,7 +9,7 @@ import pytest
 from pivot_hpc.config import load_config
 from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.rl_state import Sample
-from pivot_hpc.sim.bound import drawn_lengths, inference_gpu_s
+from pivot_hpc.sim.bound import drawn_lengths, inference_gpu_s, solo_seconds
 from pivot_hpc.sim.catalog import (
     HARDWARE,
     MODELS,
@@ -83,6 +83,15 @@ def test_the_bound_is_exact_at_the_engines_full_batch_and_below_any_other(n: int
     assert _one_replica_seconds(capped, rows) >= inference_gpu_s(capped, 1, prompt, mixed) * (
         1 - 1e-9
     )
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-1.5b", "glm-z1-9b"])
+def test_a_sample_alone_takes_exactly_its_solo_seconds_and_company_slows_it(model: str) -> None:
+    costs = inference_costs(MODELS[model], HARDWARE["h20"], 1)
+    (alone,) = solo_seconds(costs, np.array([700.0]), np.array([3000.0]))
+    assert _one_replica_seconds(costs, [(700, 3000)]) == pytest.approx(alone, rel=1e-6)
+    # With company each iteration is longer: the longest sample finishes later.
+    assert _one_replica_seconds(costs, [(700, 3000), (700, 1000), (300, 200)]) > alone
 
 
 def test_the_steady_window_counts_the_work_done_in_it() -> None:

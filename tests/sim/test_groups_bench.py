@@ -58,10 +58,17 @@ def test_bench_groups_json_keys_and_made_rates(tmp_path: Path, capsys) -> None:
             "steady_over_bound",
             "shifts",
             "tokens_per_s_steady_made",
+            "tokens_per_s_critical_path",
+            "end_to_end_over_bounds",
         } <= set(run), label
         assert 0 < run["steady_over_bound"] <= 1, (label, run)
+        assert 0 < run["end_to_end_over_bounds"] <= 1, (label, run)
     assert group["best_static"] in ("colocated", "disaggregated", "rr_colocated")
     for label in ("pivot", "pivot/elastic"):
         ratios = group["ratios"][label]
         for key in ("over_disaggregated", "over_colocated", "over_best_static"):
             assert ratios[key] > 0 and ratios[f"made_{key}"] > 0, (label, ratios)
+            # no run's made rate can pass the bound, so no ratio can pass the ceiling
+            assert ratios[f"made_{key}"] <= group["ratio_ceiling"][key] * (1 + 1e-9), (label, key)
+    for key in ("over_disaggregated", "over_colocated", "over_best_static"):
+        assert group["ratio_ceiling"][key] >= 1.0, (key, group["ratio_ceiling"])

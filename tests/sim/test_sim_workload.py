@@ -136,6 +136,24 @@ def test_simulate_reports_steady_and_bound_for_every_mode() -> None:
         made = s["tokens_per_s_steady_made"]
         assert made is None or 0 <= made <= bound, (mode, s)
         assert s["tokens_per_s_steady"] is not None or mode != "colocated"
+        assert s["tokens_per_s"] <= s["tokens_per_s_critical_path"], (mode, s)
+
+
+def test_no_mode_passes_the_critical_path_where_it_binds() -> None:
+    # Few long samples on many GPUs: the work would take a fraction of the time each
+    # step's longest sample needs alone, so the critical path is the lower bound, and
+    # every mode stays below it.
+    latency_bound = [
+        *SMALL,
+        "loop.batch_prompts=2",
+        "loop.steps=6",
+        "sim.workload.response_sigma=1.2",
+        "sim.workload.response_cap=12000",
+    ]
+    for mode in ("colocated", "disaggregated", "rr_colocated", "pivot"):
+        s = simulate(load_config(None, [*latency_bound, f"deployment.mode={mode}"]), None)
+        assert s["tokens_per_s_critical_path"] < s["tokens_per_s_bound"], (mode, s)
+        assert 0 < s["tokens_per_s"] <= s["tokens_per_s_critical_path"], (mode, s)
 
 
 GROUP4 = Path(__file__).resolve().parents[2] / "configs/sim/group4-qwen72b-qwen122b.yaml"
