@@ -21,6 +21,16 @@ queue's priority order (sequence id: older batches first), which the planner rea
 demand (Eq. 1 counts queued sequences). L̄ and L_max are the mean and the longest
 generated length of the role's sequences finished so far; until one has finished there is
 no cap. The engines' own running-request caps still apply.
+
+A replica is never capped below its knee ⌈B/C⌉ (`scheduler._knee`). The latency term
+assumes fewer running sequences make every iteration shorter; but up to B/C sequences an
+iteration streams the weights once whatever their number (T's max(B, C·N_seq)), and only
+attention (A·N_tok) grows. A cap there saves the longest sequence little time per
+iteration, idles the memory-bound engine, and keeps the batch's sequences — its longest
+among them, which the term assumes starts at release — waiting in the queue. C* per
+replica fell below the knee for the small dense models of group 1 (8 rollouts, 12
+judgements per GPU against a knee of 20) and on short batches; MoE models (fitted B = 0)
+have no such flat part and keep C*.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ copy it cheaply and the compiled loops in `kernels.py` can run over it.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -139,6 +140,23 @@ class SchedulerError(PivotError, ValueError):
     """Inconsistent use of the scheduler (unknown replica, duplicate sequence, …)."""
 
 
+# "no limit" for `_knee` (a model whose iterations never get compute-bound)
+_NO_KNEE = 1 << 40
+
+
+def _knee(kind: int, b: float, c: float) -> int:
+    """Running sequences up to which one more does not lengthen a decode iteration beyond
+    attention: ⌈B/C⌉, where T's max(B, C·N_seq) turns from streaming the weights once to
+    per-sequence compute. A pipeline cap below it (scheduler/admission.py) saves the
+    longest sequence almost no time per iteration and makes the batch's sequences wait in
+    the queue. 0 where the model has no such flat part (B = 0, as fitted for MoE models
+    whose every sequence touches more experts, or the `vanilla` busy/idle model)."""
+    if kind != kernels.KIND_MODEL or b <= 0:
+        return 0
+    ratio = b / c if c > 0 else math.inf
+    return _NO_KNEE if ratio >= _NO_KNEE else math.ceil(ratio)
+
+
 def _grow(arr: np.ndarray, size: int, fill: float | int = 0) -> np.ndarray:
     if size <= arr.shape[0]:
         return arr
@@ -150,7 +168,20 @@ def _grow(arr: np.ndarray, size: int, fill: float | int = 0) -> np.ndarray:
 class Scheduler:
     """Shared waiting queue + replica states for one role (rollout or reward)."""
 
-    _REPLICA_ARRAYS = ("active", "n", "tok", "cap", "nmax", "kind", "A", "B", "C", "D", "T")
+    _REPLICA_ARRAYS = (
+        "active",
+        "n",
+        "tok",
+        "cap",
+        "nmax",
+        "knee",
+        "kind",
+        "A",
+        "B",
+        "C",
+        "D",
+        "T",
+    )
     _SEQ_ARRAYS = ("seq_len", "seq_rep", "seq_id")
 
     def __init__(
@@ -177,6 +208,7 @@ class Scheduler:
         self.tok = np.zeros(0, np.int64)
         self.cap = np.zeros(0, np.int64)
         self.nmax = np.zeros(0, np.int64)  # running-request cap (0: none)
+        self.knee = np.zeros(0, np.int64)  # `replica_limit` never caps below this (_knee)
         self.kind = np.zeros(0, np.int64)
         self.A = np.zeros(0)
         self.B = np.zeros(0)
@@ -299,6 +331,7 @@ class Scheduler:
             self._model_of[p] = model
             self.kind[p], self.A[p], self.B[p], self.C[p], self.D[p] = kind, a, b, c, d
             self.nmax[p] = model.max_running
+            self.knee[p] = _knee(kind, b, c)
             self._refresh(p)
 
     def _refresh(self, p: int) -> None:
@@ -329,6 +362,7 @@ class Scheduler:
         self.active[p], self.n[p], self.tok[p], self.cap[p] = 1, 0, 0, capacity
         self.kind[p], self.A[p], self.B[p], self.C[p], self.D[p] = kind, a, b, c, d
         self.nmax[p] = model.max_running
+        self.knee[p] = _knee(kind, b, c)
         self.T[p] = 0.0
         self.replicas[rid] = p
 
@@ -562,12 +596,14 @@ class Scheduler:
 
     def _caps(self, m: int) -> np.ndarray:
         """Running-request cap per replica: the engine's, and `replica_limit` when set
-        (scheduler/admission.py)."""
+        (scheduler/admission.py) but never below the replica's knee (`_knee`)."""
         lim = self.replica_limit
         if not lim:
             return self.nmax[:m]
         caps = self.nmax[:m].copy()
-        caps[(caps == 0) | (caps > lim)] = lim
+        lims = np.maximum(self.knee[:m], lim)
+        over = (caps == 0) | (caps > lims)
+        caps[over] = lims[over]
         return caps
 
     def _candidates(self, targets: Iterable[str] | None) -> np.ndarray:

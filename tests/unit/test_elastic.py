@@ -124,7 +124,8 @@ def test_pipeline_admission_limit() -> None:
 def test_replica_limit_caps_dispatch_and_keeps_priority_order() -> None:
     s = Scheduler("rollout")
     for g in range(2):
-        s.add_replica(replica_id("rollout", g), 10**6, ThroughputModel(1e-6, 5e-3, 2e-4, 1e-3))
+        # B = 0: every sequence lengthens an iteration, so the limit applies as set
+        s.add_replica(replica_id("rollout", g), 10**6, ThroughputModel(1e-6, 0.0, 2e-4, 1e-3))
     for i in range(10):
         s.submit(SeqState(i, 100))
     s.replica_limit = 3
@@ -133,6 +134,26 @@ def test_replica_limit_caps_dispatch_and_keeps_priority_order() -> None:
     assert [q.seq_id for q in s.queued()] == [6, 7, 8, 9]
     s.replica_limit = 0
     assert len(s.dispatch()) == 4
+
+
+@pytest.mark.parametrize(
+    ("b", "c", "cap"),
+    [(5e-3, 2e-4, 25), (5e-3, 0.0, 40), (0.0, 2e-4, 3)],  # knee ⌈B/C⌉; never compute-bound; MoE
+)
+def test_replica_limit_never_caps_below_the_models_knee(b: float, c: float, cap: int) -> None:
+    """Below ⌈B/C⌉ running sequences an iteration streams the weights whatever their
+    number: a pipeline limit there would only make sequences wait. The engine's own cap
+    still holds."""
+    s = Scheduler("rollout")
+    s.add_replica("rollout:0", 10**6, ThroughputModel(1e-6, b, c, 1e-3, max_running=40))
+    for i in range(60):
+        s.submit(SeqState(i, 100))
+    s.replica_limit = 3
+    placed = s.dispatch()
+    assert [sid for sid, _ in placed] == list(range(cap))
+    # a refitted model moves the knee with it
+    s.set_model(ThroughputModel(1e-6, 0.0, 2e-4, 1e-3, max_running=40))
+    assert s.dispatch() == []  # already above the new limit of 3
 
 
 def test_pivot_plus_counts_the_re_prefill_of_what_it_migrates() -> None:
