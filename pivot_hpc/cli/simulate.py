@@ -66,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
             f"{_num(summary['tokens_per_s_steady'])} steady "
             f"({_num(summary['tokens_per_s_steady_made'])} of work while the pipeline runs "
             "full), "
-            f"{_num(summary['tokens_per_s_bound'])} work-conserving bound, {summary['shifts']} shifts "
+            f"{_num(summary['tokens_per_s_bound'])} work-conserving bound, "
+            f"{_num(summary['tokens_per_s_critical_path'])} critical-path bound, "
+            f"{summary['shifts']} shifts "
             f"({summary['wall_s']:.1f} s wall); telemetry in {args.out}/telemetry/"
         )
     return 0
