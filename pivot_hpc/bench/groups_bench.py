@@ -11,14 +11,15 @@ settings. The simulator is deterministic for a seed: the numbers are simulated t
 not timings of this machine.
 
 JSON keys (a contract): `groups` → config stem → {`runs` → label → {`tokens_per_s`,
-`tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`, `tokens_per_s_critical_path`,
-`end_to_end_over_bounds`},
-`best_static` (label), `ratios` → pivot label → {`over_disaggregated`, `over_colocated`,
-`over_best_static`} (steady-state throughput ratios; with enough steps also `made_over_…`,
-the same of `tokens_per_s_steady_made`), and with enough steps `ratio_ceiling` → {`over_disaggregated`,
-`over_colocated`, `over_best_static`}: the work-conserving bound over each static mode's made
-rate, the highest `made_over_…` ratio any schedule of these GPUs could reach (a ratio goal
-above it is out of reach whatever the planner does)}; also `admission`, `steps`.
+`tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`,
+`tokens_per_s_critical_path`, `end_to_end_over_bounds`}, `best_static` (label), `ratios` →
+pivot label → {`over_disaggregated`, `over_colocated`, `over_best_static`} (steady-state
+throughput ratios; with enough steps also `made_over_…`, the same of
+`tokens_per_s_steady_made`), and with enough steps `ratio_ceiling` →
+{`over_disaggregated`, `over_colocated`, `over_best_static`}: the work-conserving bound over
+each static mode's made rate, the highest `made_over_…` ratio any schedule of these GPUs
+could reach (a ratio goal above it is out of reach whatever the planner does)}; also
+`admission`, `steps`.
 Each run also reports `tokens_per_s_steady_made`: the work done while the pipeline runs
 full (tokens made and steps trained in that window, in GPU-seconds at the bound's rates)
 as tokens/s at the run's mix of work, see `sim.run.steady_work_share`; `steady_over_bound`
@@ -163,8 +164,8 @@ def run(args: argparse.Namespace) -> dict:
             for k, r in g["ratios"].items():
                 r.update(_over_static(made, k, "made_"))
             # every run of a group draws the same samples, so one bound serves them all
-            made["bound"] = runs["disaggregated"]["tokens_per_s_bound"]
-            g["ratio_ceiling"] = _over_static(made, "bound", "")
+            bound = runs["disaggregated"]["tokens_per_s_bound"]
+            g["ratio_ceiling"] = _over_static({**made, "bound": bound}, "bound", "")
     out = {"groups": groups, "admission": args.admission, "steps": args.steps}
     if not args.json:
         for name, g in groups.items():

@@ -97,15 +97,15 @@ def solo_seconds(costs: InferenceCosts, context: np.ndarray, tokens: np.ndarray)
 
 
 def critical_path_rate(
-    cfg: Config,
+    lengths: tuple[np.ndarray, np.ndarray, np.ndarray],
     inference: dict[str, InferenceCosts],
     training: TrainingCosts,
     staleness: int,
     gpus: int,
 ) -> float:
     """Tokens/s (rollout + reward) that no schedule of `gpus` GPUs beats over the run at
-    staleness `staleness`: see the module docstring."""
-    prompt, response, judgement = batched_lengths(cfg)
+    staleness `staleness`, from its `batched_lengths`: see the module docstring."""
+    prompt, response, judgement = lengths
     sample = solo_seconds(inference["rollout"], prompt, response) + solo_seconds(
         inference["reward"], prompt + response, judgement
     )
@@ -116,11 +116,15 @@ def critical_path_rate(
 
 
 def bound_rates(
-    cfg: Config, inference: dict[str, InferenceCosts], training: TrainingCosts
+    cfg: Config,
+    inference: dict[str, InferenceCosts],
+    training: TrainingCosts,
+    lengths: tuple[np.ndarray, np.ndarray, np.ndarray],
 ) -> dict[str, float]:
     """The run attributes `bound_rollout_per_gpu`, `bound_reward_per_gpu` (tokens per
-    GPU-second) and `bound_train_gpu_s_per_token` that telemetry/summary.py reads."""
-    prompt, response, judgement = drawn_lengths(cfg)
+    GPU-second) and `bound_train_gpu_s_per_token` that telemetry/summary.py reads, from
+    the run's `drawn_lengths` (any shape)."""
+    prompt, response, judgement = (x.ravel() for x in lengths)
     ro = inference_gpu_s(inference["rollout"], cfg.rollout.tp, prompt, response)
     rm = inference_gpu_s(inference["reward"], cfg.reward.tp, prompt + response, judgement)
     trained = prompt + response

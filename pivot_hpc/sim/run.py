@@ -18,7 +18,7 @@ from pivot_hpc.config import Config, to_dict
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.coordinator import Coordinator
-from pivot_hpc.sim.bound import bound_rates, critical_path_rate
+from pivot_hpc.sim.bound import batched_lengths, bound_rates, critical_path_rate
 from pivot_hpc.sim.catalog import (
     HARDWARE,
     MODELS,
@@ -107,6 +107,7 @@ def build(
         rewarder=sim_rewarder,
         training_time=train_costs,
     )
+    lengths = batched_lengths(cfg)  # the run's samples, drawn again for both bounds
     meta = builder.run_meta(
         cfg,
         rl,
@@ -118,10 +119,10 @@ def build(
         config=json.dumps(to_dict(cfg)),
         # For the work-conserving bound (telemetry/summary.py): what the simulated engines
         # charge per token of this run's samples at their best (sim/bound.py).
-        **bound_rates(cfg, costs, train_costs),
+        **bound_rates(cfg, costs, train_costs, lengths),
     )
     meta["bound_critical_path"] = critical_path_rate(
-        cfg, costs, train_costs, meta["staleness"], meta["gpus"]
+        lengths, costs, train_costs, meta["staleness"], meta["gpus"]
     )
     return coord, cluster, meta
 
