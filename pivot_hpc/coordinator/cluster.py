@@ -75,6 +75,11 @@ class Cluster(Protocol):
         """Tokens/s the role generated recently (for telemetry)."""
         ...
 
+    def made_tokens(self) -> tuple[float, float]:
+        """(rollout, reward) tokens the engines have made so far, unfinished sequences
+        included; NaN where the cluster does not count them."""
+        ...
+
     def poll(self, until: float) -> list[Event]:
         """Events up to time `until` (the simulator advances its clock; live waits)."""
         ...

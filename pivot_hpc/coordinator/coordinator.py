@@ -388,8 +388,9 @@ class Coordinator:
         self.first_step_start = min(self.first_step_start, log.start)
         self.last_step_end = ev.t
         train_tokens = sum(s.prompt_len + s.response_len for s in batch)
+        made = self.cluster.made_tokens()
         self.stats.steps.append(
-            (ev.step, log.start, ev.t, log.rollout_tokens, log.reward_tokens, train_tokens)
+            (ev.step, log.start, ev.t, log.rollout_tokens, log.reward_tokens, train_tokens, *made)
         )
         self.telemetry.step(
             ev.step,
@@ -406,6 +407,8 @@ class Coordinator:
             staleness_max=max(stale),
             staleness_mean=sum(stale) / n,
             version=self.rl.version,
+            made_rollout_tokens=made[0],
+            made_reward_tokens=made[1],
         )
         for s in batch:
             self.telemetry.trained(

@@ -10,6 +10,7 @@ for (its ranks read the set's optimizer state from GPS, runtime/elastic.py).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
@@ -215,6 +216,11 @@ class LiveCluster:
         now, tok = self.now(), self._tokens[role]
         self._window[role] = (now, tok)
         return (tok - tok0) / (now - t0) if now > t0 else 0.0
+
+    def made_tokens(self) -> tuple[float, float]:
+        # Workers report finished sequences' tokens only; what unfinished ones have made
+        # is not counted, so the steady work share is not defined live.
+        return math.nan, math.nan
 
     def _count(self, role: str, n: int) -> None:
         self._tokens[role] += n

@@ -137,7 +137,6 @@ class SimCluster:
         self.preempted = 0  # sequences the engines retracted for KV space
         self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
         # step -> (rollout, reward) tokens the engines had made when its training ended
-        self.made_at_step_end: dict[int, tuple[float, float]] = {}
         self._after_down: dict[str, tuple[str, int]] = {}  # down rid -> chained shift-up
         self._going_down: set[str] = set()  # replicas whose shift-down has not fired
 
@@ -419,12 +418,12 @@ class SimCluster:
             return [ShiftDone(self.t, key, direction, phases)]
         if kind == WEIGHTS:
             return [WeightsUpdated(self.t, key, int(payload))]
-        self.made_at_step_end[stamp] = self.made_tokens()
         return [TrainingDone(self.t, stamp, {"loss": float("nan")})]
 
     def made_tokens(self) -> tuple[float, float]:
-        """(rollout, reward) tokens the engines have made so far (steady-state windows
-        count the work done in them; a step's own tokens may be older)."""
+        """(rollout, reward) tokens the engines have made so far, unfinished sequences
+        included (each step's telemetry row records them: the steady work share counts
+        the work done in a window; a step's own tokens may be older)."""
         for r in self._replicas.values():
             self._advance(r)
         return self._tokens["rollout"], self._tokens["reward"]

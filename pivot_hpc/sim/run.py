@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pivot_hpc.config import Config, to_dict
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator import build as builder
@@ -35,8 +33,8 @@ from pivot_hpc.sim.catalog import (
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
 from pivot_hpc.telemetry.summary import (
-    bound_gpu_s,
     steady_state,
+    steady_work_share,
     step_table,
     work_conserving_bound,
 )
@@ -158,31 +156,6 @@ def scale_to(cfg: Config, gpus: int) -> Config:
     )
 
 
-def steady_work_share(
-    cluster: SimCluster, steps: np.ndarray, staleness: int, meta: dict[str, Any]
-) -> float | None:
-    """The share of GPU time spent on work at the bound's rates while the pipeline runs
-    full: from the end of step `staleness` (the fill is over) to the end of step
-    N − staleness − 2 (the last batch is released then; after it the pipeline drains), the
-    rollout and reward tokens the engines made in it and the training of the steps
-    trained in it, in GPU-seconds at the work-conserving bound's rates, over GPUs × time.
-    The steady-state throughput credits each step's tokens to the window its step ends in,
-    some of them made during the fill, and a window's tokens alone miss the training done
-    in it; this counts all work where it happened. None with fewer than 2·staleness + 3
-    completed steps or without the bound's rates."""
-    closed = len(steps) - staleness - 2
-    if closed <= staleness:
-        return None
-    by_step = steps[np.argsort(steps["step"], kind="stable")]
-    first, last = by_step[staleness], by_step[closed]
-    ro1, rm1 = cluster.made_at_step_end[int(last["step"])]
-    ro0, rm0 = cluster.made_at_step_end[int(first["step"])]
-    trained = float(by_step["train_tokens"][staleness + 1 : closed + 1].sum())
-    gpu_s = bound_gpu_s(ro1 - ro0, rm1 - rm0, trained, meta.get)
-    span = float(last["end"]) - float(first["end"])
-    return gpu_s / (meta["gpus"] * span) if gpu_s is not None and span > 0 else None
-
-
 def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> dict[str, Any]:
     """Run the simulation to completion; write telemetry under `out`; return a summary."""
     if out is not None and any((Path(out) / "telemetry").glob("alloc-*.h5")):
@@ -216,7 +189,7 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
     steps = step_table(logs.steps)
     span = coord.last_step_end - coord.first_step_start
     bound = work_conserving_bound(steps, meta.get, meta["gpus"])
-    share = steady_work_share(cluster, steps, meta["staleness"], meta)
+    share = steady_work_share(steps, meta["staleness"], meta.get, meta["gpus"])
     return {
         "mode": meta["mode"],
         "strategy": meta["strategy"],

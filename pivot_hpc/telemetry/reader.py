@@ -17,6 +17,7 @@ from pivot_hpc.telemetry.schema import (
     ADDED_IN,
     DATASETS,
     DTYPES,
+    OPTIONAL,
     SCHEMA_VERSION,
     TIME_FIELDS,
     decoded_dtype,
@@ -239,10 +240,18 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 raise TelemetryError(f"{path}: dataset {name!r} is missing")
             try:
                 raw = f[name][...]
-                missing = set(DTYPES[name].names or ()) - set(raw.dtype.names or ())
+                names = DTYPES[name].names or ()
+                have = set(raw.dtype.names or ())
+                optional = OPTIONAL.get(name, {})
+                missing = set(names) - have - set(optional)
                 if missing:
                     raise TelemetryError(f"{path}: dataset {name!r} lacks fields {sorted(missing)}")
-                data[name] = raw[list(DTYPES[name].names or ())].astype(DECODED[name])
+                present = [n for n in names if n in have]
+                decoded = raw[present].astype(DECODED[name][present])
+                out = np.empty(len(raw), dtype=DECODED[name])
+                for n in names:  # optional fields an older file lacks read as their default
+                    out[n] = decoded[n] if n in have else optional[n]
+                data[name] = out
             except (OSError, RuntimeError, ValueError, UnicodeDecodeError) as exc:
                 raise TelemetryError(
                     f"{path}: dataset {name!r} is damaged ({str(exc).splitlines()[0][:200]}); "

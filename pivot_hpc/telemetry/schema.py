@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: + `trained`, `checkpoints`, `evals`
+SCHEMA_VERSION = 3  # 2: + `trained`, `checkpoints`, `evals`; 3: + steps' `made_*_tokens`
 
 # Fixed-length byte strings keep the datasets readable by plain h5py/numpy (no vlen types).
 ROLE = "S16"
@@ -96,6 +96,14 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
         ("staleness_max", "i8", "versions", "max policy-version lag of the batch"),
         ("staleness_mean", "f8", "versions", "mean policy-version lag of the batch"),
         ("version", "i8", "", "policy version after the step"),
+        (
+            "made_rollout_tokens",
+            "f8",
+            "tokens",
+            "response tokens the engines had made in all when the step ended, unfinished "
+            "ones included (NaN: not counted; live runs)",
+        ),
+        ("made_reward_tokens", "f8", "tokens", "the same of GenRM tokens"),
     ],
     "trained": [
         ("step", "i8", "", "RL step that trained on the sample"),
@@ -130,6 +138,11 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
 }
 # Datasets added after schema version 1: a file of an older version reads them as empty.
 ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2}
+# Optional fields: a writer may leave them out and a file of an older version lacks them;
+# both read as this value.
+OPTIONAL: dict[str, dict[str, float]] = {
+    "steps": {"made_rollout_tokens": float("nan"), "made_reward_tokens": float("nan")}
+}
 
 DATASETS: tuple[str, ...] = tuple(FIELDS)
 

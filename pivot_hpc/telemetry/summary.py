@@ -66,12 +66,16 @@ STEP_FIELDS = [
     ("rollout_tokens", "i8"),
     ("reward_tokens", "i8"),
     ("train_tokens", "i8"),
+    ("made_rollout_tokens", "f8"),
+    ("made_reward_tokens", "f8"),
 ]
 
 
-def step_table(rows: list[tuple[int, float, float, int, int, int]]) -> np.ndarray:
-    """(step, start, end, rollout, reward, train tokens) rows as a `steps`-like array."""
-    return np.array(rows, dtype=STEP_FIELDS)
+def step_table(rows: list[tuple]) -> np.ndarray:
+    """(step, start, end, rollout, reward, train tokens[, made rollout, made reward
+    tokens]) rows as a `steps`-like array (made tokens NaN where a row has none)."""
+    pad = (math.nan,) * len(STEP_FIELDS)
+    return np.array([tuple(r) + pad[len(r) :] for r in rows], dtype=STEP_FIELDS)
 
 
 def steady_state(steps: np.ndarray, staleness: int) -> float | None:
@@ -103,6 +107,32 @@ def work_conserving_bound(steps: np.ndarray, attr: Any, gpus: int | None) -> flo
     ro, rm = float(steps["rollout_tokens"].sum()), float(steps["reward_tokens"].sum())
     gpu_s = bound_gpu_s(ro, rm, float(steps["train_tokens"].sum()), attr)
     return (ro + rm) / (gpu_s / gpus) if gpu_s else None
+
+
+def steady_work_share(
+    steps: np.ndarray, staleness: int, attr: Any, gpus: int | None
+) -> float | None:
+    """The share of GPU time spent on work at the bound's rates while the pipeline runs
+    full: from the end of step `staleness` (the fill is over) to the end of step
+    N − staleness − 2 (the last batch is released then; after it the pipeline drains), the
+    rollout and reward tokens the engines made in it (the steps' `made_*_tokens`) and the
+    training of the steps trained in it, in GPU-seconds at the work-conserving bound's
+    rates, over GPUs × time. The steady-state throughput credits each step's tokens to the
+    window its step ends in, some of them made during the fill, and a window's tokens alone
+    miss the training done in it; this counts all work where it happened. None with fewer
+    than 2·staleness + 3 completed steps, without the bound's rates or made tokens."""
+    closed = len(steps) - staleness - 2
+    if closed <= staleness or not gpus:
+        return None
+    by_step = steps[np.argsort(steps["step"], kind="stable")]
+    first, last = by_step[staleness], by_step[closed]
+    made = [float(last[k] - first[k]) for k in ("made_rollout_tokens", "made_reward_tokens")]
+    if not all(math.isfinite(m) for m in made):
+        return None
+    trained = float(by_step["train_tokens"][staleness + 1 : closed + 1].sum())
+    gpu_s = bound_gpu_s(made[0], made[1], trained, attr)
+    span = float(last["end"]) - float(first["end"])
+    return gpu_s / (gpus * span) if gpu_s is not None and span > 0 else None
 
 
 def utilisation(alloc: np.ndarray, end_time: float) -> dict[str, float]:
@@ -215,6 +245,9 @@ def summarise(run: Run) -> dict[str, Any]:
     util = utilisation(run["allocation"], run.end_time)
     plan = planner_stats(run["planner"])
     mig = migration_stats(run["migrations"])
+    gpus = run.attr("gpus")
+    bound = work_conserving_bound(steps, run.attr, gpus)
+    share = steady_work_share(steps, int(run.attr("staleness", 0) or 0), run.attr, gpus)
     out: dict[str, Any] = {
         "run_dir": str(run.path),
         "files": len(run.files),
@@ -230,9 +263,11 @@ def summarise(run: Run) -> dict[str, Any]:
         "duration_s": e2e["duration_s"],
         "tokens_per_s": e2e["tokens_per_s"],
         "tokens_per_s_steady": steady_state(steps, int(run.attr("staleness", 0) or 0)),
-        "tokens_per_s_bound": work_conserving_bound(steps, run.attr, run.attr("gpus")),
+        "tokens_per_s_bound": bound,
         # simulated runs: no schedule passes the pipeline's critical path (sim/bound.py)
         "tokens_per_s_critical_path": run.attr("bound_critical_path"),
+        "steady_work_share": share,
+        "tokens_per_s_steady_made": share * bound if share is not None and bound else None,
         "end_time_s": run.end_time,
         "reward_mean_first": float(steps["reward_mean"][0]) if len(steps) else None,
         "reward_mean_last": float(steps["reward_mean"][-1]) if len(steps) else None,
@@ -280,6 +315,15 @@ def format_summary(s: dict[str, Any]) -> str:
             f"   critical-path bound {s['tokens_per_s_critical_path']:.1f}"
             if s.get("tokens_per_s_critical_path")
             else ""
+        ),
+        *(
+            [
+                f"work       {100 * s['steady_work_share']:.1f}% of GPU time at the bound's "
+                f"rates while the pipeline runs full ({s['tokens_per_s_steady_made']:.1f} "
+                "tokens/s of work)"
+            ]
+            if s.get("steady_work_share") is not None
+            else []
         ),
         f"reward     first step {_num(s['reward_mean_first'], '{:.4f}')}   "
         f"last step {_num(s['reward_mean_last'], '{:.4f}')}",

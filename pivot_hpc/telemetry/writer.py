@@ -25,6 +25,7 @@ from pivot_hpc.telemetry.schema import (
     CHUNK_ROWS,
     DATASETS,
     DTYPES,
+    OPTIONAL,
     RESERVED_ATTRS,
     SCHEMA_VERSION,
     SLURM_ENV,
@@ -181,6 +182,7 @@ class TelemetryWriter:
 
     def _append(self, name: str, **fields: Any) -> None:
         names = DTYPES[name].names
+        fields = OPTIONAL.get(name, {}) | fields
         if fields.keys() != set(names):
             missing = [f for f in names if f not in fields]
             unknown = sorted(set(fields) - set(names))

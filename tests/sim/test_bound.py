@@ -18,9 +18,9 @@ from pivot_hpc.sim.catalog import (
     with_max_running,
 )
 from pivot_hpc.sim.cluster import SimCluster
-from pivot_hpc.sim.run import build, simulate, steady_work_share
+from pivot_hpc.sim.run import build, simulate
 from pivot_hpc.sim.workload import SimPayload, SimWorkload
-from pivot_hpc.telemetry.summary import step_table, work_conserving_bound
+from pivot_hpc.telemetry.summary import steady_work_share, step_table, work_conserving_bound
 from tests.sim.test_sim_workload import SMALL
 
 
@@ -99,10 +99,10 @@ def test_the_steady_window_counts_the_work_done_in_it() -> None:
     # N − 2 holds exactly the generation and the training of steps 1 … N − 2, so its work
     # is theirs at the bound's rates.
     cfg = load_config(None, [*SMALL, "deployment.mode=colocated", "loop.steps=4"])
-    coord, cluster, meta = build(cfg)
+    coord, _, meta = build(cfg)
     coord.run()
     steps = step_table(coord.stats.steps)
-    share = steady_work_share(cluster, steps, meta["staleness"], meta)
+    share = steady_work_share(steps, meta["staleness"], meta.get, meta["gpus"])
     inside = steps[(steps["step"] >= 1) & (steps["step"] <= 2)]
     span = float(inside["end"].max() - steps["end"][steps["step"] == 0][0])
     tokens = float(inside["rollout_tokens"].sum() + inside["reward_tokens"].sum())
@@ -122,3 +122,17 @@ def test_the_steady_window_counts_the_work_done_in_it() -> None:
             )
     short = simulate(load_config(None, [*SMALL, "deployment.mode=pivot", "loop.steps=6"]), None)
     assert short["steady_work_share"] is None and short["tokens_per_s_steady_made"] is None
+
+
+def test_the_report_reads_the_same_work_share_from_the_telemetry(tmp_path) -> None:
+    from pivot_hpc.telemetry import open_run
+    from pivot_hpc.telemetry.summary import format_summary, summarise
+
+    cfg = load_config(None, [*SMALL, "deployment.mode=pivot", "loop.steps=7"])
+    s = simulate(cfg, tmp_path)
+    report = summarise(open_run(tmp_path))
+    assert s["steady_work_share"] is not None
+    assert report["steady_work_share"] == pytest.approx(s["steady_work_share"], rel=1e-12)
+    assert report["tokens_per_s_steady_made"] == pytest.approx(s["tokens_per_s_steady_made"])
+    assert report["tokens_per_s_critical_path"] == s["tokens_per_s_critical_path"]
+    assert "of GPU time at the bound's rates" in format_summary(report)

@@ -41,9 +41,10 @@ ALLOCATIONS_1 = [  # t, ro, rm, tr, idle, transition
     (20.0, 0, 0, 8, 0, 0),
 ]
 ALLOCATIONS_2 = [(0.0, 6, 2, 0, 0, 0)]  # t=25 after the offset, holds until 45
-STEPS = [  # step, start, end, ro_tok, rm_tok, tr_tok, samples, r, r_ver, r_genrm, loss, st_max, st_mean, ver
-    (0, 0.0, 25.0, 1000, 500, 1000, 8, 0.25, 0.125, 0.125, 0.5, 0, 0.0, 1),
-    (1, 0.0, 20.0, 2000, 1500, 2000, 8, 0.75, 0.5, 0.25, 0.25, 1, 0.5, 2),  # written at +25
+STEPS = [  # step, start, end, ro_tok, rm_tok, tr_tok, samples, r, r_ver, r_genrm, loss,
+    # st_max, st_mean, ver, made_ro, made_rm
+    (0, 0.0, 25.0, 1000, 500, 1000, 8, 0.25, 0.125, 0.125, 0.5, 0, 0.0, 1, 1500.0, 600.0),
+    (1, 0.0, 20.0, 2000, 1500, 2000, 8, 0.75, 0.5, 0.25, 0.25, 1, 0.5, 2, 3100.0, 2000.0),  # +25
 ]
 # Hand-computed: (1000 + 500 + 2000 + 1500) tokens / (45 - 0) s.
 EXPECTED_TOKENS_PER_S = 5000 / 45
@@ -67,8 +68,9 @@ META = {
 
 
 def step_fields(row: tuple) -> dict:
-    """A STEPS row as the writer's keywords (after the step number)."""
-    return dict(zip(DTYPES["steps"].names[1:], row[1:], strict=True))
+    """A STEPS row as the writer's keywords (after the step number; the optional fields
+    it lacks are left to the writer)."""
+    return dict(zip(DTYPES["steps"].names[1 : len(row)], row[1:], strict=True))
 
 
 def write_synthetic_run(run_dir: Path, scale: int = 1, **meta_overrides: object) -> Path:
@@ -701,6 +703,27 @@ def test_schema_1_files_read_the_newer_datasets_as_empty(tmp_path: Path) -> None
     assert len(r["steps"]) == 1
     assert len(r["trained"]) == 0 and len(r["checkpoints"]) == 0
     assert r["trained"].dtype.names == _field_names("trained")
+
+
+def test_schema_2_steps_read_the_made_tokens_as_nan(run_dir: Path) -> None:
+    """Steps rows written before `made_*_tokens` existed read them as NaN (not counted);
+    a writer that leaves them out (a live run) writes NaN too."""
+    path = run_dir / "telemetry" / "alloc-001.h5"
+    with h5py.File(path, "r+") as f:  # rewrite its steps as schema 2 wrote them
+        old = f["steps"][...]
+        keep = [n for n in old.dtype.names if not n.startswith("made_")]
+        del f["steps"]
+        f.create_dataset("steps", data=old[keep], maxshape=(None,))
+        f.attrs["schema_version"] = 2
+    steps = open_run(run_dir)["steps"]
+    assert steps.dtype.names == _field_names("steps")
+    assert np.isnan(steps["made_rollout_tokens"][0]) and np.isnan(steps["made_reward_tokens"][0])
+    assert steps["made_rollout_tokens"][1] == 3100.0  # the other file is schema 3
+    assert steps["reward_mean"].tolist() == [0.25, 0.75]
+    with TelemetryWriter(run_dir / "live", meta=META) as w:
+        w.step(*STEPS[0][:1], **step_fields(STEPS[0][:14]))
+    live = open_run(run_dir / "live")["steps"]
+    assert np.isnan(live["made_rollout_tokens"]).all() and live["loss"].tolist() == [0.5]
 
 
 def _field_names(name: str) -> tuple[str, ...]:
