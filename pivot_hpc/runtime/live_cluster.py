@@ -218,8 +218,9 @@ class LiveCluster:
         return (tok - tok0) / (now - t0) if now > t0 else 0.0
 
     def made_tokens(self) -> tuple[float, float]:
-        # Workers report finished sequences' tokens only; what unfinished ones have made
-        # is not counted, so the steady work share is not defined live.
+        # Only finished sequences' tokens are counted (`_count`); what running ones have
+        # made is in the monitor's length reports minus their contexts, not summed here,
+        # so the steady work share is not defined live.
         return math.nan, math.nan
 
     def _count(self, role: str, n: int) -> None:
