@@ -64,7 +64,8 @@ class Stats:
     rebalanced: int = 0  # sequences moved onto idle replicas (scheduler.rebalance)
     events: int = 0  # cluster events handled
     # (step, start, end, rollout tokens, reward tokens, trained tokens) per trained step
-    steps: list[tuple[int, float, float, int, int, int]] = field(default_factory=list)
+    # (step, start, end, rollout, reward, train tokens, made rollout, made reward tokens)
+    steps: list[tuple[int, float, float, int, int, int, float, float]] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # per step mean reward
     refits: int = 0  # throughput models refitted from measured decode steps

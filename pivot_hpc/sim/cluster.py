@@ -136,7 +136,6 @@ class SimCluster:
         self._tokens = {"rollout": 0.0, "reward": 0.0}
         self.preempted = 0  # sequences the engines retracted for KV space
         self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
-        # step -> (rollout, reward) tokens the engines had made when its training ended
         self._after_down: dict[str, tuple[str, int]] = {}  # down rid -> chained shift-up
         self._going_down: set[str] = set()  # replicas whose shift-down has not fired
 

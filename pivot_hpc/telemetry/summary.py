@@ -245,9 +245,9 @@ def summarise(run: Run) -> dict[str, Any]:
     util = utilisation(run["allocation"], run.end_time)
     plan = planner_stats(run["planner"])
     mig = migration_stats(run["migrations"])
-    gpus = run.attr("gpus")
+    gpus, staleness = run.attr("gpus"), int(run.attr("staleness", 0) or 0)
     bound = work_conserving_bound(steps, run.attr, gpus)
-    share = steady_work_share(steps, int(run.attr("staleness", 0) or 0), run.attr, gpus)
+    share = steady_work_share(steps, staleness, run.attr, gpus)
     out: dict[str, Any] = {
         "run_dir": str(run.path),
         "files": len(run.files),
@@ -262,7 +262,7 @@ def summarise(run: Run) -> dict[str, Any]:
         "train_tokens": int(steps["train_tokens"].sum()) if len(steps) else 0,
         "duration_s": e2e["duration_s"],
         "tokens_per_s": e2e["tokens_per_s"],
-        "tokens_per_s_steady": steady_state(steps, int(run.attr("staleness", 0) or 0)),
+        "tokens_per_s_steady": steady_state(steps, staleness),
         "tokens_per_s_bound": bound,
         # simulated runs: no schedule passes the pipeline's critical path (sim/bound.py)
         "tokens_per_s_critical_path": run.attr("bound_critical_path"),
@@ -310,21 +310,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"throughput {s['tokens_per_s']:.1f} tokens/s end to end "
         f"({s['tokens']} rollout+reward tokens)   steady state "
         f"{_num(s['tokens_per_s_steady'], '{:.1f}')}   work-conserving bound "
-        f"{_num(s['tokens_per_s_bound'], '{:.1f}')}"
-        + (
-            f"   critical-path bound {s['tokens_per_s_critical_path']:.1f}"
-            if s.get("tokens_per_s_critical_path")
-            else ""
-        ),
-        *(
-            [
-                f"work       {100 * s['steady_work_share']:.1f}% of GPU time at the bound's "
-                f"rates while the pipeline runs full ({s['tokens_per_s_steady_made']:.1f} "
-                "tokens/s of work)"
-            ]
-            if s.get("steady_work_share") is not None
-            else []
-        ),
+        f"{_num(s['tokens_per_s_bound'], '{:.1f}')}   critical-path bound "
+        f"{_num(s['tokens_per_s_critical_path'], '{:.1f}')}",
+        f"work       {_num(s['steady_work_share'], '{:.1%}')} of GPU time at the bound's rates "
+        f"while the pipeline runs full ({_num(s['tokens_per_s_steady_made'], '{:.1f}')} "
+        "tokens/s of work)",
         f"reward     first step {_num(s['reward_mean_first'], '{:.4f}')}   "
         f"last step {_num(s['reward_mean_last'], '{:.4f}')}",
         "GPU time   " + "   ".join(f"{r} {100 * u[r]:.1f}%" for r in ALLOC_ROLES),
