@@ -22,7 +22,7 @@ could reach (a ratio goal above it is out of reach whatever the planner does)}; 
 `admission`, `steps`.
 Each run also reports `tokens_per_s_steady_made`: the work done while the pipeline runs
 full (tokens made and steps trained in that window, in GPU-seconds at the bound's rates)
-as tokens/s at the run's mix of work, see `sim.run.steady_work_share`; `steady_over_bound`
+as tokens/s at the run's mix of work, see `telemetry.summary.steady_work_share`; `steady_over_bound`
 is that over the work-conserving bound, the share of GPU time doing work at the bound's
 rates. `tokens_per_s_critical_path` is the second bound (sim/bound.py): no schedule runs
 faster than each step's longest sample alone plus its training on every GPU allow, at the

@@ -33,6 +33,7 @@ from pivot_hpc.sim.catalog import (
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
 from pivot_hpc.telemetry.summary import (
+    steady_made_rate,
     steady_state,
     steady_work_share,
     step_table,
@@ -203,7 +204,7 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "tokens_per_s_critical_path": meta["bound_critical_path"],
         "steady_work_share": share,
         # the work of the full pipeline as tokens/s at the run's mix of work
-        "tokens_per_s_steady_made": share * bound if share is not None and bound else None,
+        "tokens_per_s_steady_made": steady_made_rate(share, bound),
         "shifts": logs.shifts_up,
         "plans": logs.plans,
         "migrated_sequences": logs.migrated,

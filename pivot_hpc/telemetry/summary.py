@@ -13,6 +13,11 @@ Definitions (also in analysis/README.md):
   reward tokens / best reward tokens/s per GPU + trained tokens × training GPU-seconds per
   token, with the rates from the run's `bound_*` attributes (written by the simulator from
   the lengths of the run's own samples, sim/bound.py; None for runs without them).
+- critical-path bound: the run's `bound_critical_path` attribute (simulated runs: each
+  step's longest sample alone plus its training on every GPU, sim/bound.py).
+- steady work share: the work done while the pipeline runs full (tokens the engines made,
+  from the steps' `made_*_tokens`, and steps trained) at the bound's rates ÷ GPU time; the
+  steady made rate is that share × the bound (`steady_work_share`, `steady_made_rate`).
 - utilisation of a role: GPU-seconds it held ÷ all GPU-seconds, with the `allocation` series
   read as piecewise constant (a row holds until the next; the last until the run's end time).
 - shifts: `shifts` rows of kind "up" (one per replica joining a role); per step = ÷ steps.
@@ -133,6 +138,11 @@ def steady_work_share(
     gpu_s = bound_gpu_s(made[0], made[1], trained, attr)
     span = float(last["end"]) - float(first["end"])
     return gpu_s / (gpus * span) if gpu_s is not None and span > 0 else None
+
+
+def steady_made_rate(share: float | None, bound: float | None) -> float | None:
+    """The steady work share as tokens/s at the run's mix of work (share × bound)."""
+    return share * bound if share is not None and bound else None
 
 
 def utilisation(alloc: np.ndarray, end_time: float) -> dict[str, float]:
@@ -267,7 +277,7 @@ def summarise(run: Run) -> dict[str, Any]:
         # simulated runs: no schedule passes the pipeline's critical path (sim/bound.py)
         "tokens_per_s_critical_path": run.attr("bound_critical_path"),
         "steady_work_share": share,
-        "tokens_per_s_steady_made": share * bound if share is not None and bound else None,
+        "tokens_per_s_steady_made": steady_made_rate(share, bound),
         "end_time_s": run.end_time,
         "reward_mean_first": float(steps["reward_mean"][0]) if len(steps) else None,
         "reward_mean_last": float(steps["reward_mean"][-1]) if len(steps) else None,
