@@ -12,7 +12,7 @@ not timings of this machine.
 
 JSON keys (a contract): `groups` → config stem → {`runs` → label → {`tokens_per_s`,
 `tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`,
-`tokens_per_s_critical_path`, `end_to_end_over_bounds`}, `best_static` (label), `ratios` →
+`training_prewarms`, `tokens_per_s_critical_path`, `end_to_end_over_bounds`}, `best_static` (label), `ratios` →
 pivot label → {`over_disaggregated`, `over_colocated`, `over_best_static`} (steady-state
 throughput ratios; with enough steps also `made_over_…`, the same of
 `tokens_per_s_steady_made`), and with enough steps `ratio_ceiling` →
@@ -92,6 +92,7 @@ def _one(job: tuple[str, list[str]]) -> dict:
         # was made during the fill, and the bound is a rate of work
         "steady_over_bound": s["steady_work_share"] or 0.0,
         "shifts": s["shifts"],
+        "training_prewarms": s["training_prewarms"],
         "tokens_per_s_critical_path": s["tokens_per_s_critical_path"],
         # both bounds hold end to end (fill and drain included), so this share is <= 1
         "end_to_end_over_bounds": s["tokens_per_s"]

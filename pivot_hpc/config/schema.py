@@ -103,8 +103,10 @@ class PlannerConfig:
 
     # the paper's planner, or an §8.4 ablation
     # pivot+ (ours): pivot, with the re-prefill of the sequences a plan migrates counted
-    # in its penalty, and no GPUs moved back before the plan that moved them has repaid
-    # its penalty (break-even φ / gain; planner/planner.py)
+    # in its penalty, no GPUs moved back before the plan that moved them has repaid its
+    # penalty (break-even φ / gain), reward's last replica kept while rollouts run, plans
+    # at once on a stall (planner/planner.py), and training pre-warmed in its batch's tail
+    # (planner/prewarm.py)
     strategy: Literal["pivot", "pivot+", "static", "rule", "vanilla"] = "pivot"
     horizon_s: float = 60.0  # H: how long a shift's throughput gain is expected to last
     interval_s: float = 1.0  # how often the planner looks at a fresh snapshot

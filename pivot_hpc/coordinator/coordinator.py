@@ -59,6 +59,7 @@ class Stats:
     shifts_up: int = 0
     shifts_down: int = 0
     shifts_chained: int = 0  # shift-ups sent with the shift-down on their GPUs
+    training_prewarms: int = 0  # training shifted up before its batch was ready (pivot+)
     plans: int = 0
     migrated: int = 0
     rebalanced: int = 0  # sequences moved onto idle replicas (scheduler.rebalance)
@@ -485,6 +486,9 @@ class Coordinator:
     # ----------------------------------------------------------- planner
     def snapshot(self) -> Snapshot:
         self.training.batch_ready = self.rl.batch_ready()
+        self.training.batch_pending = not self.training.batch_ready and (
+            self.rl.released > self.rl.version
+        )
         return Snapshot(self.topology, self.schedulers, self.training, self.shifts.unrepaid())
 
     # --------------------------------------------------------- telemetry

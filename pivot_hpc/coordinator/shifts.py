@@ -39,7 +39,9 @@ class ShiftHost(Protocol):
     rl: RLState
     capacity: Mapping[str, int]
     telemetry: Any
-    stats: Any  # counters: shifts_up, shifts_down, shifts_chained, plans, migrated, rebalanced
+    # counters: shifts_up, shifts_down, shifts_chained, training_prewarms, plans, migrated,
+    # rebalanced
+    stats: Any
     draining: bool
 
     def dispatch(self, role: str) -> None: ...
@@ -356,6 +358,8 @@ class ShiftExecutor:
             return
         for rid in plan.up + plan.down:
             self.plan_of[rid] = (self.plan_id, plan.penalty, plan.benefit)
+        if TRAINING in plan.up and not plan.mandatory:
+            self.c.stats.training_prewarms += 1  # (not for its batch: planner/prewarm.py)
         self._note_repayment(plan)
         self.take_down(plan.down)
         self.request_up(plan.up)

@@ -64,14 +64,26 @@ def group_by_occupants(
 
 
 def shift_pairs(
-    snap: Snapshot, up_role: str, occupancy: dict[int, str], *, wait_repayment: bool = False
+    snap: Snapshot,
+    up_role: str,
+    occupancy: dict[int, str],
+    *,
+    wait_repayment: bool = False,
+    training_return: float = 0.0,
 ) -> list[ShiftPair]:
     """Disjoint shift pairs for `up_role`, sorted by ascending penalty (ties: slot order).
     `wait_repayment` (pivot+): no pair takes GPUs from a role that a plan not yet repaid
-    moved them to from `up_role` (`Snapshot.unrepaid`)."""
+    moved them to from `up_role` (`Snapshot.unrepaid`), unless `up_role` starves (work and
+    no replica: Eq. 1 is 0, there is no throughput left to protect; a plan of small gain
+    repays slowly, and once a new batch queued its rollouts they waited for it with every
+    GPU of the cluster idle or training). `training_return` (pivot+, planner/prewarm.py):
+    tokens added to the penalty of a pair that takes idle training's GPUs while its next
+    batch is in flight (training comes back for it, its shift up then on the critical
+    path)."""
     spec = snap.topology.roles[up_role]
     active = snap.schedulers[up_role].replicas
     busy_training = snap.training.busy
+    wait_repayment = wait_repayment and not (snap.n_seq(up_role) and not active)
     eligible: list[tuple[str, set[str]]] = []
     for slot in sorted(spec.slots):
         rid = replica_id(up_role, slot)
@@ -83,6 +95,9 @@ def shift_pairs(
         if wait_repayment and any((up_role, role_of(o)) in snap.unrepaid for o in occupants):
             continue
         eligible.append((rid, occupants))
-    pairs = [(penalty(snap, down), ups, down) for ups, down in group_by_occupants(eligible)]
+    pairs = [
+        (penalty(snap, down) + (training_return if TRAINING in down else 0.0), ups, down)
+        for ups, down in group_by_occupants(eligible)
+    ]
     pairs.sort(key=lambda p: (p[0], p[1][0]))
     return [ShiftPair(up=ups, down=down, penalty=phi) for phi, ups, down in pairs]

@@ -26,6 +26,7 @@ from pivot_hpc.config.schema import PlannerConfig
 from pivot_hpc.planner.candidates import build_candidates
 from pivot_hpc.planner.pairs import penalty, shift_pairs
 from pivot_hpc.planner.plan import CandidateEval, PlannerTimings, ShiftPlan, overall_throughput
+from pivot_hpc.planner.prewarm import prewarm_plan, training_return
 from pivot_hpc.planner.snapshot import (
     INFERENCE_ROLES,
     TRAINING,
@@ -205,6 +206,7 @@ class PivotStrategy:
         wait_repayment: bool = False,
         keep_reward: bool = False,
         react: bool = False,
+        prewarm: bool = False,
     ) -> None:
         self.name = name
         self.horizon = cfg.horizon_s
@@ -220,6 +222,10 @@ class PivotStrategy:
         # within one interval (tiny rollouts all finish in one engine step), and the GPUs
         # then idle until the planner looks; the paper's planner looks every interval.
         self.react = react
+        # pivot+: training shifts up ahead of its batch while its GPUs idle in the batch's
+        # tail; lending idle training's GPUs while its batch is in flight costs its return
+        # (prewarm.py)
+        self.prewarm = prewarm
         self.max_up = max_up
         self.max_exact = cfg.max_exact_candidates
 
@@ -236,8 +242,12 @@ class PivotStrategy:
         forced = training_plan(snap, occupancy, self.name, self.horizon, self.migration)
         if forced is not None:
             return forced
-        role = self.choose_role(snap)
         t_cur = current_throughput(snap)
+        if self.prewarm:
+            early = prewarm_plan(snap, occupancy, self.name, t_cur)
+            if early is not None:
+                return early
+        role = self.choose_role(snap)
         if role is None:
             return ShiftPlan(
                 self.name,
@@ -246,7 +256,13 @@ class PivotStrategy:
                 throughput_expected=t_cur,
                 timings=PlannerTimings(preprocess_s=time.perf_counter() - t0),
             )
-        pairs = shift_pairs(snap, role, occupancy, wait_repayment=self.wait_repayment)
+        pairs = shift_pairs(
+            snap,
+            role,
+            occupancy,
+            wait_repayment=self.wait_repayment,
+            training_return=training_return(snap) if self.prewarm else 0.0,
+        )
         reward = snap.schedulers["reward"]
         if self.keep_reward and role != "reward" and reward.replicas and snap.n_seq("rollout"):
             # Reward keeps one replica, its busiest: pairs that would take it are left out
@@ -411,7 +427,13 @@ def make_strategy(cfg: PlannerConfig) -> Strategy:
         return PivotStrategy(cfg)
     if cfg.strategy == "pivot+":
         return PivotStrategy(
-            cfg, name="pivot+", reprefill=True, wait_repayment=True, keep_reward=True, react=True
+            cfg,
+            name="pivot+",
+            reprefill=True,
+            wait_repayment=True,
+            keep_reward=True,
+            react=True,
+            prewarm=True,
         )
     if cfg.strategy == "vanilla":
         return PivotStrategy(cfg, name="vanilla", migration=False)

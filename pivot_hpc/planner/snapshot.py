@@ -187,6 +187,7 @@ class TrainingState:
     active: bool = False  # holds its GPUs (context loaded)
     busy: bool = False  # running a training step; cannot shift down
     batch_ready: bool = False  # the next batch is ready within the staleness bound
+    batch_pending: bool = False  # the next batch is released, its samples still in flight
     extensions: set[str] = field(default_factory=set)  # "training:<slot>" held
 
     def validate(self) -> None:

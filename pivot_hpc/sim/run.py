@@ -206,6 +206,7 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         # the work of the full pipeline as tokens/s at the run's mix of work
         "tokens_per_s_steady_made": steady_made_rate(share, bound),
         "shifts": logs.shifts_up,
+        "training_prewarms": logs.training_prewarms,
         "plans": logs.plans,
         "migrated_sequences": logs.migrated,
         "preempted_sequences": cluster.preempted,

@@ -57,12 +57,14 @@ def test_bench_groups_json_keys_and_made_rates(tmp_path: Path, capsys) -> None:
             "tokens_per_s_bound",
             "steady_over_bound",
             "shifts",
+            "training_prewarms",
             "tokens_per_s_steady_made",
             "tokens_per_s_critical_path",
             "end_to_end_over_bounds",
         } <= set(run), label
         assert 0 < run["steady_over_bound"] <= 1, (label, run)
         assert 0 < run["end_to_end_over_bounds"] <= 1, (label, run)
+        assert run["training_prewarms"] == 0, label  # the paper's strategy never pre-warms
     assert group["best_static"] in ("colocated", "disaggregated", "rr_colocated")
     for label in ("pivot", "pivot/elastic"):
         ratios = group["ratios"][label]

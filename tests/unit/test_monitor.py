@@ -4,6 +4,7 @@ and the planner's promise that a shift it makes pays for its measured cost."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,7 +12,8 @@ from pivot_hpc.config.schema import PlannerConfig, ShiftTimes
 from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock
 from pivot_hpc.planner import Snapshot, Topology, TrainingState, replica_id
 from pivot_hpc.planner.pairs import penalty
-from pivot_hpc.planner.planner import PivotStrategy
+from pivot_hpc.planner.planner import make_strategy
+from pivot_hpc.planner.prewarm import reload_worth, training_return
 from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
 
 
@@ -78,13 +80,15 @@ MODEL = ThroughputModel(A=1e-6, B=5e-3, C=2e-4, D=1e-3)
     horizon=st.floats(0.0, 300.0),
     seed=st.integers(0, 1000),
     plus=st.booleans(),
+    training=st.sampled_from(["busy", "idle, batch in flight", "down, batch in flight"]),
 )
 def test_planner_never_shifts_at_a_loss_on_measured_cost(
-    n_rollout, n_reward, queued_rollout, queued_reward, tau, horizon, seed, plus
+    n_rollout, n_reward, queued_rollout, queued_reward, tau, horizon, seed, plus, training
 ) -> None:
     """Whatever the snapshot, a plan the pivot strategy makes has a benefit that covers
     its penalty at the (measured) τ_shift of the topology it was given; pivot+'s penalty
-    adds the re-prefill of what it migrates on top of that."""
+    adds the re-prefill of what it migrates and the return of idle training on top of
+    that, and its training pre-warm hides a reload worth at least its penalty."""
     rng = np.random.default_rng(seed)
     topo = Topology.build(
         num_gpus=16,
@@ -107,15 +111,26 @@ def test_planner_never_shifts_at_a_loss_on_measured_cost(
             scheds[role].submit(SeqState(sid, int(rng.integers(20, 600))))
             sid += 1
         scheds[role].dispatch()
-    snap = Snapshot(topo, scheds, TrainingState(active=True, busy=True, batch_ready=False))
-    strategy = PivotStrategy(PlannerConfig(horizon_s=horizon), reprefill=plus)
-    plan = strategy.plan(snap)
+    state = {
+        "busy": TrainingState(active=True, busy=True),
+        "idle, batch in flight": TrainingState(active=True, batch_pending=True),
+        "down, batch in flight": TrainingState(batch_pending=True),
+    }[training]
+    snap = Snapshot(topo, scheds, state)
+    cfg = PlannerConfig(horizon_s=horizon, strategy="pivot+" if plus else "pivot")
+    plan = make_strategy(cfg).plan(snap)
     if plan.is_noop:
         return
     phi = penalty(snap, plan.down)
     gain = horizon * (plan.throughput_expected - plan.throughput_current)
+    if plan.up == ["training"]:  # pivot+'s pre-warm: Eq. 1 unchanged, a reload hidden
+        assert plus and not state.active
+        assert plan.penalty == pytest.approx(phi)
+        assert plan.benefit == pytest.approx(reload_worth(snap) - phi) and plan.benefit >= 0
+        return
     if plus:
-        assert plan.penalty >= phi - 1e-9 * max(1.0, phi)
+        floor = phi + training_return(snap) * ("training" in plan.down)
+        assert plan.penalty >= floor - 1e-9 * max(1.0, floor)
     else:
         assert abs(plan.penalty - phi) <= 1e-9 * max(1.0, phi)
     assert gain > plan.penalty  # the benefit covers the measured cost
