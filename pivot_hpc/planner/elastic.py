@@ -12,9 +12,11 @@ this training step and the inference work already released are done: the next ba
 released only after the step (staleness bound), and its inference adds to what runs then.
 For a candidate that trains on d replicas:
 
-    t_d = S(d) + R·[d takes a new slot]   S: the step-time model for this batch at d; R: a
-                                          new slot's shift up (GPS Read of parameters and
-                                          optimizer state: training's τ_shift)
+    t_d = S(d) + D_d                      S: the step-time model for this batch at d; D_d:
+                                          if d takes new slots, the longer of R (a new
+                                          slot's shift up: GPS Read of parameters and
+                                          optimizer state, training's τ_shift) and the
+                                          τ_shift of the occupants shifting down first
     τ_d = W / T_d                         inference drain: W the released work (tokens:
                                           each running or queued sequence at the mean
                                           length its role's sequences finished with, a
@@ -29,10 +31,12 @@ with d_0 the replicas training holds now, φ_d the penalty of the occupants it s
 (§7.2: τ_shift·T_i) and T_ref the tokens/s the cluster makes when it has work (the larger
 of Eq. 1's and what the run has measured), so that seconds and tokens are in one unit as
 in B = G − φ. An unbounded makespan (a role with work and no GPU) loses to any bounded
-one. The best positive B_d is executed; at B = 0 more replicas win (GPUs nobody can use
-are lent to training). Slots are taken in whole groups of what occupies them (an 8-GPU
-reward replica frees eight 1-GPU slots at one φ), cheapest per slot first; free GPUs and
-idle replicas cost nothing.
+one. The best positive B_d is executed; among equal B_d the shorter step t_d wins, then
+more replicas, and at B = 0 a size is taken only if it shortens the step (GPUs nobody can
+use are lent to training when that speeds up the step, whose end releases the next
+batch). Slots are taken in whole groups of what occupies them (an 8-GPU reward replica
+frees eight 1-GPU slots at one φ), cheapest per slot first; free GPUs and idle replicas
+cost nothing.
 """
 
 from __future__ import annotations
@@ -119,28 +123,37 @@ def elastic_plan(
     t_ref = max(inputs.value_rate, t_cur)
     rate0 = _inference_rate(snap, sim, [], [])
 
-    # (k replicas, up, down, φ, inference tokens/s meanwhile, takes a new slot)
-    options: list[tuple[int, list[str], list[str], float, float, bool]] = []
+    # (k replicas, up, down, φ, inference tokens/s meanwhile, seconds before the step)
+    options: list[tuple[int, list[str], list[str], float, float, float]] = []
     # shrink: the last held extensions go back to the inference role further behind
     for keep in range(len(held)):
         back = held[keep:]
         given = _given_back(snap, {g for rid in back for g in topo.gpus_of(rid)})
         rate = _inference_rate(snap, sim, given, []) if given else rate0
-        options.append((base + keep, [], back, 0.0, rate, False))
-    # grow: whole groups of slots, cheapest first
+        options.append((base + keep, [], back, 0.0, rate, 0.0))
+    # grow: whole groups of slots, cheapest first; a new slot trains once its occupants
+    # are down and it has read its state: the longer of R and the occupants' τ_shift
+    # (their shift down plus a shift up) before the step can start
     ups: list[str] = []
     downs: list[str] = []
     phi = 0.0
     for group_ups, group_downs, group_phi in _groups(snap, occupancy, inputs):
         ups, downs, phi = ups + group_ups, downs + group_downs, phi + group_phi
         rate = _inference_rate(snap, sim, [], downs) if downs else rate0
-        options.append((d0 + len(ups), list(ups), list(downs), phi, rate, True))
+        wait = max([inputs.reshard_s, *(topo.tau(role_of(o)) for o in downs)])
+        options.append((d0 + len(ups), list(ups), list(downs), phi, rate, wait))
     # Inference work a candidate leaves without a GPU waits for the step to end and then
     # runs at the rate it has with every held extension given back.
     rate_after = options[0][4] if held else rate0
 
-    def span(replicas: int, new: bool, rate: float) -> float:
-        t_train = inputs.step_time(replicas * tp) + (inputs.reshard_s if new else 0.0)
+    def train_s(i: int) -> float:
+        """Option i's step, from now to its end (i = -1: the replicas held now)."""
+        if i < 0:
+            return inputs.step_time(d0 * tp)
+        return inputs.step_time(options[i][0] * tp) + options[i][5]
+
+    def span(i: int, rate: float) -> float:
+        t_train = train_s(i)
         w = inputs.work_tokens
         if w <= 0:
             return t_train
@@ -148,8 +161,8 @@ def elastic_plan(
             return max(t_train, w / rate)
         return t_train + w / rate_after if rate_after > 0 else math.inf
 
-    now = span(d0, False, rate0)
-    spans = [span(k, new, rate) for k, _, _, _, rate, new in options]
+    now = span(-1, rate0)
+    spans = [span(i, opt[4]) for i, opt in enumerate(options)]
     bounded = [x for x in spans if math.isfinite(x)]
     # an unbounded stage today (work and no GPU for it): any bounded one is better, the
     # shorter the more, as if today's lasted as long as the longest bounded candidate
@@ -166,8 +179,14 @@ def elastic_plan(
         for (k, up, down, phi_k, rate, _), then in zip(options, spans, strict=True)
     ]
     timings = PlannerTimings(simulate_s=time.perf_counter() - t_start)
-    best = max(evals, key=lambda e: (e.benefit, e.k), default=None)
-    if best is None or best.benefit < 0 or (best.benefit == 0 and best.k <= d0):
+    # Equal benefits (often 0: inference's drain is the makespan whatever training does):
+    # the shorter step wins, then more replicas. The step's end releases the next batch,
+    # so a size that does not shorten it is not taken at B = 0 (growing onto slots whose
+    # occupants must first shift down delayed the step it was meant to speed up).
+    order = sorted(range(len(evals)), key=lambda i: (evals[i].benefit, -train_s(i), evals[i].k))
+    best = evals[order[-1]] if order else None
+    shorter = bool(order) and train_s(order[-1]) < train_s(-1)
+    if best is None or best.benefit < 0 or (best.benefit == 0 and not shorter):
         if not (best is not None and math.isinf(now) and math.isfinite(best.benefit)):
             return None
     return ShiftPlan(

@@ -95,6 +95,25 @@ def test_training_bound_takes_busy_gpus_when_the_step_is_the_longer_stage() -> N
     assert plan.penalty == pytest.approx(penalty(snap, plan.down))
 
 
+@pytest.mark.parametrize("tau", [0.1, 2.0])
+def test_at_equal_benefit_training_grows_only_if_that_shortens_its_step(tau: float) -> None:
+    """Inference drains for days whatever training holds, so every size has B = 0. Growing
+    onto idle replicas' slots starts the step only once they are down and the new slots
+    have read their state (the longer of R and the occupants' τ_shift): taken when that
+    still shortens the step (it releases the next batch), not when it delays it."""
+    snap = snapshot(topology(tau=tau), rollout=2, reward=2, seqs=(600, 0))
+
+    def flat(gpus: int) -> float:
+        return 10.0 + 4.0 / gpus  # 11 s on the 4 training GPUs, 10.25 s on 16
+
+    work = ElasticInputs(step_time=flat, reshard_s=tau, work_tokens=1e12, value_rate=1e3)
+    plan = elastic_plan(snap, work, strategy="pivot")
+    if tau < 1.0:  # 10.25 + 0.1 < 11: the step ends sooner on every GPU it can take
+        assert plan is not None and plan.benefit == 0 and "training:2" in plan.up
+    else:  # 10.25 + 2 > 11: the step would end later
+        assert plan is None
+
+
 def test_held_extensions_go_back_to_a_starved_role() -> None:
     """Training holds GPUs 0-11, rollout has 600 queued sequences and no replica: the step
     would leave the work waiting, so extensions are given back."""
