@@ -130,15 +130,18 @@ def test_elastic_training_grows_live_and_resumes_at_another_dp(tmp_path: Path) -
     from GPS, runtime/elastic.py) and leave again; the run resumes with a training set of
     two (DP 2) from a checkpoint written at DP 1.
 
-    Growth is decided by measured times, so the test pins the one input that makes it
-    certain: a free re-shard (training τ_shift = 0, not refitted from the ~10 ms measured).
-    Then the last step, which has no inference left and idle occupants (φ = 0), strictly
-    gains from every extra replica (the step-time model's per-token slope is > 0). With
-    the measured re-shard the gain of growing a ~70 ms step is within its noise, and CI
-    once saw no growth at all."""
+    Growth is decided by measured times, so the test pins the inputs that make it
+    certain: free shifts (τ_shift = 0 for every role, not refitted from the ~10-40 ms
+    measured), so a new slot starts the step at once (its re-shard and its occupants'
+    shift down cost nothing). Then the last step, which has no inference left and idle
+    occupants (φ = 0), strictly gains from every extra replica (the step-time model's
+    per-token slope is > 0). With measured shift times the gain of growing a ~70 ms step
+    is within its noise, and CI once saw no growth at all."""
     elastic = [
         "planner.elastic_training=true",
         "planner.shift_time_s.training=0",
+        "planner.shift_time_s.rollout=0",
+        "planner.shift_time_s.reward=0",
         "planner.refit_shift_time=false",
     ]
     out = run(tmp_path, "loop.steps=4", *elastic)
