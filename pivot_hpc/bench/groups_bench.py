@@ -12,8 +12,8 @@ not timings of this machine.
 
 JSON keys (a contract): `groups` → config stem → {`runs` → label → {`tokens_per_s`,
 `tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`,
-`training_prewarms`, `tokens_per_s_critical_path`, `end_to_end_over_bounds`}, `best_static` (label), `ratios` →
-pivot label → {`over_disaggregated`, `over_colocated`, `over_best_static`} (steady-state
+`training_prewarms`, `tokens_per_s_critical_path`, `end_to_end_over_bounds`},
+`best_static` (label), `ratios` → pivot label → {`over_disaggregated`, `over_colocated`, `over_best_static`} (steady-state
 throughput ratios; with enough steps also `made_over_…`, the same of
 `tokens_per_s_steady_made`), and with enough steps `ratio_ceiling` →
 {`over_disaggregated`, `over_colocated`, `over_best_static`}: the work-conserving bound over

@@ -183,9 +183,11 @@ def elastic_plan(
     # the shorter step wins, then more replicas. The step's end releases the next batch,
     # so a size that does not shorten it is not taken at B = 0 (growing onto slots whose
     # occupants must first shift down delayed the step it was meant to speed up).
-    order = sorted(range(len(evals)), key=lambda i: (evals[i].benefit, -train_s(i), evals[i].k))
-    best = evals[order[-1]] if order else None
-    shorter = bool(order) and train_s(order[-1]) < train_s(-1)
+    pick = max(
+        range(len(evals)), key=lambda i: (evals[i].benefit, -train_s(i), evals[i].k), default=-1
+    )
+    best = evals[pick] if pick >= 0 else None
+    shorter = pick >= 0 and train_s(pick) < train_s(-1)
     if best is None or best.benefit < 0 or (best.benefit == 0 and not shorter):
         if not (best is not None and math.isinf(now) and math.isfinite(best.benefit)):
             return None

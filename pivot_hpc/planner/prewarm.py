@@ -20,16 +20,15 @@ then, so its reload overlaps the tail instead of following it. The plan fires wh
   judgements come next);
 - the reload it hides is worth its penalty: τ_shift(training) at the tokens/s inference
   makes now (`reload_worth`) ≥ φ of the replicas it shifts down;
-- no plan that moved these GPUs from training has yet to repay its penalty (pivot+'s
+- every plan that moved these GPUs from training has repaid its penalty (pivot+'s
   repayment wait, `Snapshot.unrepaid`).
 
 Lending idle training's GPUs while its next batch is in flight is not free either: training
 comes back for the batch, and its shift up then lies on that path. The §7 penalty counts
 only the tokens a shifting replica stops making (idle training: none), so pivot+ adds the
-return to the penalty of a pair that takes training's GPUs (`training_return`): the same
-`reload_worth`.
-The planner still lends them when the gain over H is larger (a role swamped with work), not
-to spread a tail's few sequences.
+return to the penalty of a pair that takes training's GPUs (`training_return`, the same
+`reload_worth`). The planner still lends them when the gain over H is larger (a role
+swamped with work), not to spread a tail's few sequences.
 """
 
 from __future__ import annotations

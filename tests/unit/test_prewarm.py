@@ -8,30 +8,22 @@ import dataclasses
 
 import pytest
 
-from pivot_hpc.config.schema import PlannerConfig, ShiftTimes
+from pivot_hpc.config.schema import PlannerConfig
 from pivot_hpc.planner import Snapshot, Topology, TrainingState, replica_id
 from pivot_hpc.planner.pairs import shift_pairs
 from pivot_hpc.planner.planner import PivotStrategy, current_throughput, make_strategy
 from pivot_hpc.planner.prewarm import prewarm_plan, training_return
-from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
+from pivot_hpc.scheduler import Scheduler, SeqState
+from tests.unit.test_elastic import MODEL
+from tests.unit.test_elastic import topology as elastic_topology
 
-MODEL = ThroughputModel(A=1e-6, B=5e-3, C=2e-4, D=1e-3)
-TRAINING_GPUS = [12, 13, 14, 15]
+TRAINING_GPUS = [12, 13, 14, 15]  # (tests/unit/test_elastic.py's topology)
 TAU = 3.0
 
 
 def topology(prefill: float = 0.0) -> Topology:
-    """16 GPUs, 1-GPU replica slots; training owns GPUs 12-15."""
-    return Topology.build(
-        num_gpus=16,
-        gpus_per_node=8,
-        tp={"rollout": 1, "reward": 1},
-        kv_capacity={"rollout": 50_000, "reward": 50_000},
-        models={"rollout": MODEL, "reward": MODEL},
-        training_gpus=TRAINING_GPUS,
-        shift_time=ShiftTimes(rollout=1.0, reward=1.0, training=TAU),
-        prefill_s_per_token={"rollout": prefill, "reward": prefill},
-    )
+    """16 GPUs, 1-GPU replica slots; training owns GPUs 12-15; τ_shift TAU for every role."""
+    return elastic_topology(elastic=False, prefill=prefill, tau=TAU)
 
 
 def tail(
