@@ -7,8 +7,9 @@ mode (colocated, disaggregated, rr_colocated) and in pivot mode with each planne
 vanilla), with and without elastic training for pivot and pivot+ (`+elastic`), and — with
 --horizons — pivot+ elastic over several H (Figure 14). Every run of one invocation uses
 the same `scheduler.admission` and overrides, so the ratios compare planners, not
-settings. The simulator is deterministic for a seed: the numbers are simulated throughput,
-not timings of this machine.
+settings (colocated always runs at staleness 0: it is synchronous; a `deployment.staleness`
+override applies to the other modes). The simulator is deterministic for a seed: the
+numbers are simulated throughput, not timings of this machine.
 
 JSON keys (a contract): `groups` → config stem → {`runs` → label → {`tokens_per_s`,
 `tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`,
@@ -145,6 +146,8 @@ def run(args: argparse.Namespace) -> dict:
             ]
             if horizon is not None:
                 over.append(f"planner.horizon_s={horizon}")
+            if mode == "colocated":  # synchronous by definition, whatever the others run at
+                over.append("deployment.staleness=0")
             jobs.append((str(c), over))
             keys.append((Path(c).stem, _label(mode, strategy, elastic, horizon)))
     if args.jobs > 1:

@@ -74,3 +74,17 @@ def test_bench_groups_json_keys_and_made_rates(tmp_path: Path, capsys) -> None:
             assert ratios[f"made_{key}"] <= group["ratio_ceiling"][key] * (1 + 1e-9), (label, key)
     for key in ("over_disaggregated", "over_colocated", "over_best_static"):
         assert group["ratio_ceiling"][key] >= 1.0, (key, group["ratio_ceiling"])
+
+
+def test_bench_groups_runs_colocated_synchronously_under_a_staleness_override(
+    tmp_path: Path, capsys
+) -> None:
+    """`deployment.staleness=1` applies to the asynchronous modes; colocated, which only
+    runs at 0, still runs (it used to stop the whole benchmark with a config error)."""
+    config = _small_config(tmp_path / "small.yaml")
+    argv = ["bench", "groups", "--configs", str(config), "--steps", "4", "--strategies"]
+    rc = main([*argv, "pivot", "--json", "deployment.staleness=1"])
+    assert rc == 0
+    runs = json.loads(capsys.readouterr().out)["groups"]["small"]["runs"]
+    assert {"colocated", "disaggregated", "pivot"} <= set(runs)
+    assert all(r["tokens_per_s"] > 0 for r in runs.values())
