@@ -53,6 +53,7 @@ STEPS = 12
 MARGIN = 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_grpo_improves_held_out_accuracy() -> None:
     torch.set_num_threads(1)

@@ -177,6 +177,7 @@ def test_4096_gpus_start_shift_and_stop_in_a_few_simulated_seconds() -> None:
     coord.schedulers["rollout"].check_invariants()
 
 
+@pytest.mark.slow
 def test_bench_sim_json_keys() -> None:
     import json
     import subprocess

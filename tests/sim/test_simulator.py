@@ -99,6 +99,7 @@ def test_every_mode_completes_with_conservation(
         assert coord.stats.rebalanced == 0
 
 
+@pytest.mark.slow
 def test_pivot_plus_never_moves_gpus_back_before_a_plan_has_repaid() -> None:
     """In a whole simulated run, no pivot+ plan takes GPUs back to a role before the plan
     that took them from it has repaid its penalty (φ / gain after its decision), unless

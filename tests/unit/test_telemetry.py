@@ -746,6 +746,7 @@ def _killed_writer_file(tmp_path: Path) -> bytes:
     return next((src / "telemetry").glob("alloc-*.h5")).read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torn_and_bit_flipped_telemetry_reads_or_fails_in_seconds(tmp_path: Path) -> None:
     """Every cut point class (inside the superblock, metadata, data, the tail) and bit flips
