@@ -1,5 +1,8 @@
 """Shared plumbing of the analysis scripts: argument parsing, loading runs, saving figures.
 
+Runs are read by `open_run` (pivot_hpc/telemetry/reader.py), which refuses hostile files in
+one line; figures and tables are written with `open_for_write` (pivot_hpc/safe_files.py).
+
 The scripts run as `python analysis/<name>.py ...`; the metrics themselves live in the
 package (pivot_hpc.telemetry.summary) so that `pivot-hpc report` computes the same numbers.
 """
@@ -24,8 +27,10 @@ matplotlib.use("Agg")  # files only; no display on compute nodes
 import matplotlib.pyplot as plt
 import numpy as np
 
-from pivot_hpc.errors import PivotError
+from pivot_hpc.errors import PivotError, UsageError
+from pivot_hpc.safe_files import open_for_write
 from pivot_hpc.telemetry import Run, open_run
+from pivot_hpc.telemetry.errors import printable
 from pivot_hpc.telemetry.summary import summarise
 
 # Bar order of the paper's figures; labels not listed follow in first-seen order.
@@ -81,9 +86,18 @@ def mean_std(x: np.ndarray) -> tuple[float, float]:
 
 
 def save(fig: plt.Figure, out: str) -> None:
+    """Write the figure to `out`, in the format its suffix names (no suffix: `out`.png, as
+    matplotlib does). Never through a symbolic link planted at `out` (open_for_write
+    refuses it in one line)."""
+    if not Path(out).suffix:
+        out = f"{out}.png"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fmt = Path(out).suffix.lstrip(".").lower()
+    if fmt not in fig.canvas.get_supported_filetypes():
+        raise UsageError(f"--out {out}: unknown figure format {fmt!r}; use .png, .pdf or .svg")
+    with open_for_write(out, "wb", private=False) as fh:
+        fig.savefig(fh, dpi=120, format=fmt)
     plt.close(fig)
     print(f"wrote {out}")
 
@@ -91,7 +105,8 @@ def save(fig: plt.Figure, out: str) -> None:
 def table(rows: list[list[str]]) -> str:
     from pivot_hpc.bench.stats import table as _table
 
-    return _table(rows)
+    # labels come from the runs' telemetry, which may be someone else's: no escapes
+    return _table([[printable(str(cell)) for cell in row] for row in rows])
 
 
 def main_guard(fn: Callable[[], int]) -> None:

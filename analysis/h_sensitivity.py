@@ -19,14 +19,17 @@ from pivot_hpc.telemetry import Run
 
 
 def horizon(run: Run) -> float:
-    h = run.attr("horizon_s")
+    h = run.attr("horizon_s")  # the reader checked it is a number
     if h is None:
-        h = (run.config.get("planner") or {}).get("horizon_s")
+        planner = run.config.get("planner")
+        h = planner.get("horizon_s") if isinstance(planner, dict) else None
     if h is None:
         raise UsageError(
             f"{run.path}: no horizon_s attribute (nor config.planner.horizon_s); "
             "H is unknown for this run"
         )
+    if not isinstance(h, int | float) or isinstance(h, bool):  # the config is the file's text
+        raise UsageError(f"{run.path}: config.planner.horizon_s = {h!r:.60} is not a number")
     return float(h)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from _common import load, main_guard, parser, plt, save, table
 
 from pivot_hpc.errors import UsageError
+from pivot_hpc.safe_files import open_for_write
 from pivot_hpc.telemetry.summary import PLANNER_PHASES, planner_stats
 
 HEADERS = {
@@ -62,7 +63,7 @@ def main() -> int:
     print(table(rows))
 
     if args.csv:
-        with open(args.csv, "w", newline="") as fh:
+        with open_for_write(args.csv, "w", private=False) as fh:  # never through a link
             w = csv.writer(fh)
             w.writerow(
                 ["gpus", "decisions"]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+import reprlib
+from typing import Any, NoReturn
 
 
 class PivotError(Exception):
@@ -24,4 +25,25 @@ class PlacementError(PivotError, RuntimeError):
 def fail(path: str, value: object, why: str) -> NoReturn:
     """Raise the standard config error: key path, offending value, and what to do instead.
     (Here, on the ground floor, so that every component's config dataclass can use it.)"""
-    raise ConfigError(f"config key '{path}' = {value!r}: {why}")
+    raise ConfigError(f"config key '{path}' = {short_repr(value)}: {why}")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 200  # a path still shows whole
+_REPR.maxlong = 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = 6
+_REPR.maxdict = 4
+_REPR.maxlevel = 3
+MAX_SHOWN_CHARS = 240
+
+
+def short_repr(value: Any) -> str:
+    """`repr` cut to at most MAX_SHOWN_CHARS characters: a user's value in an error line, never in full
+    (a multi-megabyte string, or a list a YAML bomb would expand, stays one short line)."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an int over Python's int-str digit limit cannot even be printed
+        return f"<{type(value).__name__} too large to print>"
+    if len(text) > MAX_SHOWN_CHARS:
+        text = text[: MAX_SHOWN_CHARS - 3] + "..."
+    return text

@@ -131,5 +131,8 @@ def loads(data: bytes, what: str) -> Any:
         return _decode(json.loads(data.decode("utf-8")))
     except CodecError as exc:
         raise CodecError(f"{what}: {exc}") from None
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise CodecError(f"{what}: not a pivot_hpc state file ({exc})") from None
+    except RecursionError:
+        raise CodecError(f"{what}: nested too deeply for a pivot_hpc state file") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, MemoryError) as exc:
+        # RuntimeError: torch's answer to a tensor whose bytes do not fit its shape
+        raise CodecError(f"{what}: not a pivot_hpc state file ({exc!s:.200})") from None

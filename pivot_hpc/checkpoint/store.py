@@ -14,10 +14,13 @@ The newest complete checkpoint is the one with the highest index. A crash while 
 leaves only a temporary directory, never a torn `ckpt-*`; a `ckpt-*` whose files do not
 match its manifest (a damaged disk, a hand edit) is reported, not silently skipped.
 
-Nothing in a checkpoint is unpickled: a `ckpt-*` holding a pickle of ours (older
+Nothing in a checkpoint is unpickled as code: a `ckpt-*` holding a pickle of ours (older
 pivot_hpc wrote rl_state.pkl / ranks.pkl) is refused by name, and megatron-core's own
-pickled `train/.metadata` is read only after its opcodes show nothing but plain data
-(pickle_scan.py).
+pickled `train/.metadata` is loaded only through an unpickler that admits the few plain
+data classes such metadata consists of (safe_pickle.py) — here, before any rank starts,
+and again by the training ranks when they load it. The manifest's CRC32s detect damage,
+not tampering (anyone can recompute them); the allow-list is what makes a checkpoint
+from someone else safe to read.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from typing import Any
 
 import yaml
 
-from pivot_hpc.checkpoint.pickle_scan import UnsafePickleError, check_metadata
-from pivot_hpc.errors import PivotError
+from pivot_hpc.checkpoint.safe_pickle import UnsafePickleError, check_metadata
+from pivot_hpc.config.loader import load_yaml_text, read_yaml_file
+from pivot_hpc.errors import ConfigError, PivotError
+from pivot_hpc.safe_files import open_for_write
 
 FORMAT = 2  # 2: JSON state files (1 held pickles and is refused)
 MANIFEST = "manifest.json"
@@ -118,14 +123,15 @@ def _fsync(path: Path) -> None:
 def commit(tmp: Path, info: dict[str, Any], config: dict[str, Any], keep: int) -> Path:
     """Seal `tmp`: config.yaml, checksums in manifest.json (last), fsync, rename; then keep
     only the newest `keep` complete checkpoints. Returns the final path."""
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=True))
+    with open_for_write(tmp / "config.yaml", private=False) as f:
+        f.write(yaml.safe_dump(config, sort_keys=True))
     files = {}
     for p in sorted(tmp.rglob("*")):
         if p.is_file():
             _fsync(p)
             files[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "crc32": _crc32(p)}
     manifest = {"format": FORMAT, "created_unix": time.time(), **info, "files": files}
-    with open(tmp / MANIFEST, "w") as f:
+    with open_for_write(tmp / MANIFEST, private=False) as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
@@ -148,8 +154,9 @@ def verify(path: Path) -> dict[str, Any]:
     fix = f"delete {path} to resume from the previous checkpoint, or start a new --run-dir"
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({e}); {fix}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else f"{e!s:.200}"
+        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({why}); {fix}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(
             f"checkpoint {path}: {MANIFEST} holds a {type(manifest).__name__}, not an object; {fix}"
@@ -173,6 +180,7 @@ def verify(path: Path) -> dict[str, Any]:
     problem = _manifest_problem(manifest)
     if problem:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} {problem}; {fix}")
+    _check_listing(path, manifest, fix)
     for rel, want in manifest["files"].items():
         p = path / rel
         if not p.is_file():
@@ -185,12 +193,30 @@ def verify(path: Path) -> dict[str, Any]:
             )
         if _crc32(p) != want["crc32"]:
             raise CheckpointError(f"checkpoint {path}: file {rel} fails its CRC32 check; {fix}")
-    for meta in path.glob("train/**/.metadata"):
+    for meta in sorted(path.rglob("*.metadata")):
         try:
-            check_metadata(meta)
+            check_metadata(meta)  # the same unpickler the training ranks load it with
         except UnsafePickleError as exc:
             raise CheckpointError(f"checkpoint {path}: {exc}") from None
     return manifest
+
+
+def _check_listing(path: Path, manifest: dict[str, Any], fix: str) -> None:
+    """A checkpoint holds the files its manifest lists and nothing else: no file added
+    afterwards, no link that would make a check read something outside it."""
+    listed = set(manifest["files"]) | {MANIFEST}
+    for p in sorted(path.rglob("*")):
+        rel = str(p.relative_to(path))
+        if p.is_symlink():
+            raise CheckpointError(
+                f"checkpoint {path}: {rel} is a symbolic link (a checkpoint holds only its own "
+                f"files); {fix}"
+            )
+        if p.is_file() and rel not in listed:
+            raise CheckpointError(
+                f"checkpoint {path}: file {rel} is not in its {MANIFEST} (added after it was "
+                f"written); {fix}"
+            )
 
 
 def _manifest_problem(manifest: dict[str, Any]) -> str | None:
@@ -204,11 +230,11 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
     for rel, want in files.items():
         parts = Path(rel).parts
         if Path(rel).is_absolute() or ".." in parts or not parts:
-            return f"names {rel!r}, outside the checkpoint directory"
+            return f"names {rel[:120]!r}, outside the checkpoint directory"
         if not isinstance(want, dict) or not all(
             type(want.get(k)) is int for k in ("bytes", "crc32")
         ):
-            return f"entry {rel!r} is {want!r}, not {{'bytes': int, 'crc32': int}}"
+            return f"entry {rel[:120]!r} is {str(want)[:120]}, not {{'bytes': int, 'crc32': int}}"
     return None
 
 
@@ -236,13 +262,13 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 def check_resumable(path: Path, current: dict[str, Any]) -> dict[str, Any]:
     """Verify checkpoint `path` and that `current` (the new run's config) may resume it."""
     manifest = verify(path)
-    saved_file = path / "config.yaml"
-    try:
-        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError) as e:
+    source = f"checkpoint {path}: config.yaml"
+    try:  # aliases refused, sizes bounded: a 792-byte "billion laughs" must not hang this
+        saved = load_yaml_text(read_yaml_file(path / "config.yaml", source), source)
+    except ConfigError as e:
         raise CheckpointError(
-            f"checkpoint {path}: unreadable config.yaml ({str(e).splitlines()[0]}); delete "
-            f"{path} to resume from the previous checkpoint, or start a new --run-dir"
+            f"{str(e).splitlines()[0]} (unreadable config.yaml); delete {path} to resume "
+            "from the previous checkpoint, or start a new --run-dir"
         ) from None
     if not isinstance(saved, dict):
         raise CheckpointError(

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +76,61 @@ def namespace_prefix() -> tuple[list[str], str | None]:
     return [*cmd, sys.executable, "-m", "pivot_hpc.cli.loopback_up"], None
 
 
+# Ranks per core a local world may have: the CPU tests run 5+ ranks on 2 cores, and a
+# workstation may well oversubscribe; the bound exists to stop a typo, not to tune.
+OVERSUBSCRIBE = 8
+MIN_LOCAL_RANKS = 64
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    """An integer Slurm variable, or None when unset or not a plain number."""
+    try:
+        value = int(env.get(name, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def check_world_fits(
+    cfg: Config, env: Mapping[str, str] | None = None, cpus: int | None = None
+) -> None:
+    """Refuse, in one line and before `mpirun` starts, a world this launcher cannot hold.
+
+    Inside a Slurm allocation (SLURM_JOB_ID set) the world must fit the allocation's
+    nodes and tasks; on a workstation, its ranks must stay within a generous
+    oversubscription of this machine's cores (see OVERSUBSCRIBE)."""
+    from pivot_hpc.errors import ConfigError
+
+    env = os.environ if env is None else env
+    c = cfg.cluster
+    if "SLURM_JOB_ID" in env:
+        nodes = _env_int(env, "SLURM_JOB_NUM_NODES") or _env_int(env, "SLURM_NNODES")
+        if nodes is not None and c.nodes > nodes:
+            raise ConfigError(
+                f"config key 'cluster.nodes' = {c.nodes}: this Slurm allocation (job "
+                f"{env['SLURM_JOB_ID']}) has {nodes} node(s); set cluster.nodes <= {nodes} "
+                "or allocate more nodes"
+            )
+        tasks = _env_int(env, "SLURM_NTASKS")
+        if tasks is not None and c.world_size > tasks:
+            raise ConfigError(
+                f"cluster.nodes={c.nodes} x (cluster.gpus_per_node={c.gpus_per_node} + 1 host "
+                f"rank) = {c.world_size} ranks, but this Slurm allocation has "
+                f"SLURM_NTASKS={tasks}; lower cluster.* or allocate "
+                f"--ntasks-per-node={c.ranks_per_node}"
+            )
+    cores = cpus if cpus is not None else (os.cpu_count() or 1)
+    limit = max(MIN_LOCAL_RANKS, OVERSUBSCRIBE * cores)
+    per_host = c.ranks_per_node if "SLURM_JOB_ID" in env else c.world_size
+    if per_host > limit:
+        raise ConfigError(
+            f"cluster.nodes={c.nodes} x (cluster.gpus_per_node={c.gpus_per_node} + 1 host "
+            f"rank) would start {per_host} ranks on this machine of {cores} cores; the bound "
+            f"is {limit} (max({MIN_LOCAL_RANKS}, {OVERSUBSCRIBE} per core)): lower "
+            "cluster.gpus_per_node / cluster.nodes"
+        )
+
+
 def role_of_rank(cfg: Config, rank: int) -> str:
     per = cfg.cluster.ranks_per_node
     node, local = divmod(rank, per)
@@ -113,6 +169,7 @@ def launch(cfg: Config, world_argv: list[str], run_dir: Path) -> int:
     from pivot_hpc.errors import PivotError
     from pivot_hpc.runtime.stop import EXIT_REQUEUE, FORWARDED_TERM, SIGNALS
 
+    check_world_fits(cfg)  # run() checked already; a direct caller is held to it too
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise PivotError("mpirun not found: install OpenMPI (apt-get install openmpi-bin)")

@@ -52,9 +52,11 @@ def run(args: argparse.Namespace) -> int:
         run_dirs.prepare(run_dir, cfg.checkpoint.private_run_dir)
         return report_status(run_in_world(cfg, run_dir))
     # What the world would refuse, refused here in one line before anything starts.
+    from pivot_hpc.cli.local_world import check_world_fits
     from pivot_hpc.runtime.world import check_live_config
     from pivot_hpc.tracking import check_available
 
+    check_world_fits(cfg)  # before anything is read or written: mpirun -n follows it
     check_live_config(cfg)
     check_available(cfg.tracking)
     from pivot_hpc.data.loaders import Columns, usable_problems

@@ -52,6 +52,7 @@ from submitit.helpers import Checkpointable
 
 from pivot_hpc.config import Config, from_dict, load_config, to_dict, validate_tree
 from pivot_hpc.errors import PivotError, UsageError
+from pivot_hpc.runtime import run_dir as run_dirs
 
 # Sent by Slurm to every task before the time limit; the runtime's stop signal (stop.py).
 STOP_SIGNAL = "USR1"
@@ -120,7 +121,6 @@ class PivotJob(Checkpointable):
     def __call__(self) -> dict[str, Any]:
         from submitit import JobEnvironment
 
-        from pivot_hpc.runtime import run_dir as run_dirs
         from pivot_hpc.runtime import stop
         from pivot_hpc.runtime.main import run_in_world
 
@@ -219,8 +219,6 @@ def submit(
             "(bash slurm/local_cluster.sh start brings up a local one)"
         )
     run_dir = run_dir.absolute()
-    folder = run_dir / "slurm"
-    executor = submitit.SlurmExecutor(folder=folder)
     params: dict[str, Any] = {
         "job_name": job_name,
         "nodes": cfg.cluster.nodes,
@@ -250,8 +248,18 @@ def submit(
         params["partition"] = partition
     if gpus:
         params["gpus_per_node"] = cfg.cluster.gpus_per_node
-    executor.update_parameters(**params)
-    return executor.submit(PivotJob(cfg, str(run_dir), max_requeues))
+
+    # private, and refused if someone else could write there, before submitit writes the
+    # job pickle that every allocation unpickles
+    umask = os.umask(0o077)
+    os.umask(umask)
+    try:
+        run_dirs.prepare(run_dir, cfg.checkpoint.private_run_dir)
+        executor = submitit.SlurmExecutor(folder=run_dir / "slurm")
+        executor.update_parameters(**params)
+        return executor.submit(PivotJob(cfg, str(run_dir), max_requeues))
+    finally:
+        os.umask(umask)  # a library call leaves its caller's umask as it was
 
 
 def _parse_sbatch(items: list[str]) -> dict[str, str]:

@@ -10,9 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pivot_hpc.errors import UsageError
+
+if TYPE_CHECKING:
+    from pivot_hpc.config import Config
+    from pivot_hpc.telemetry import Run
+
+# The trace has a track per GPU; a saved config is the run directory's (maybe someone
+# else's) text, and one claiming 10^7 GPUs per node would build tens of millions of
+# tracks. Far above any cluster pivot_hpc runs on.
+MAX_TRACE_GPUS = 65_536
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,35 +32,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pivot_hpc.config import Config, from_dict, validate_tree
-    from pivot_hpc.config.loader import ConfigError
-    from pivot_hpc.coordinator.build import configured_topology
-    from pivot_hpc.planner.snapshot import TRAINING
+    from pivot_hpc.safe_files import open_for_write
     from pivot_hpc.telemetry import open_run
     from pivot_hpc.telemetry.trace import build
 
     run_dir = Path(args.run_dir)
     r = open_run(run_dir)
-    try:
-        cfg = from_dict(Config, r.config)
-        validate_tree(cfg)
-    except ConfigError as exc:
-        raise UsageError(f"{run_dir}: the telemetry's saved config does not load ({exc})") from None
-    topo = configured_topology(cfg)
+    cfg = _saved_config(run_dir, r)
     n = cfg.cluster.total_gpus
-
-    def gpus_of(rid: str, count: int) -> tuple[int, ...]:
-        if rid == TRAINING and count != len(topo.training_gpus):
-            return tuple(range(n - count, n))  # runs from before colocated trained on all
-        return topo.gpus_of(rid)
-
-    trace = build(r, gpus_of, n, cfg.cluster.gpus_per_node)
+    trace = build(r, _gpu_map(run_dir, cfg), n, cfg.cluster.gpus_per_node)
     out = Path(args.out) if args.out else run_dir / "trace.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(trace))
+    # Never through a link planted at the path (the run directory may be someone else's);
+    # inside the run directory the trace is private like the rest of it, a file the user
+    # names with --out gets the umask's mode as usual.
+    with open_for_write(out, "w", private=args.out is None) as fh:
+        fh.write(json.dumps(trace))
     kinds: dict[str, int] = {}
     for ev in trace["traceEvents"]:
         kinds[ev.get("cat", "meta")] = kinds.get(ev.get("cat", "meta"), 0) + 1
     shown = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()) if k != "meta")
     print(f"pivot-hpc: wrote {out} ({shown}); open it at https://ui.perfetto.dev")
     return 0
+
+
+def _saved_config(run_dir: Path, r: Run) -> Config:
+    """The run's config from its telemetry, refused in one line if it does not load or
+    names more GPUs than a trace can show (checked before anything is sized by it)."""
+    from pivot_hpc.config import Config, from_dict, validate_tree
+    from pivot_hpc.config.loader import ConfigError
+    from pivot_hpc.telemetry.errors import printable
+
+    try:
+        cfg = from_dict(Config, r.config)
+        # (from_dict has checked both are integers)
+        if cfg.cluster.nodes * cfg.cluster.gpus_per_node > MAX_TRACE_GPUS:
+            raise ConfigError(
+                f"cluster.nodes × cluster.gpus_per_node is more than the {MAX_TRACE_GPUS} "
+                "GPUs a trace shows"
+            )
+        validate_tree(cfg)
+    except ConfigError as exc:
+        why = printable(f"{run_dir}: the telemetry's saved config does not load ({exc})")
+        raise UsageError(why) from None
+    return cfg
+
+
+def _gpu_map(run_dir: Path, cfg: Config) -> Callable[[str, int], tuple[int, ...]]:
+    """gpus_of(replica, gpus) for telemetry/trace.build, from the saved config's topology;
+    a shift row naming no replica of it is refused in one line."""
+    from pivot_hpc.coordinator.build import configured_topology
+    from pivot_hpc.planner.snapshot import TRAINING, SnapshotError
+    from pivot_hpc.telemetry import TelemetryError
+
+    topo = configured_topology(cfg)
+    n = cfg.cluster.total_gpus
+
+    def refuse(rid: str, why: Any) -> TelemetryError:
+        return TelemetryError(f"{run_dir}: a shift row of replica {rid!r}: {why}")
+
+    def gpus_of(rid: str, count: int) -> tuple[int, ...]:
+        if rid == TRAINING and count != len(topo.training_gpus):
+            if not 0 <= count <= n:
+                raise refuse(rid, f"moves {count} GPUs, the run has {n}")
+            return tuple(range(n - count, n))  # runs from before colocated trained on all
+        if rid != TRAINING and ":" not in rid:
+            raise refuse(rid, "not a replica id (ROLE:SLOT)")
+        try:
+            return topo.gpus_of(rid)
+        except SnapshotError as exc:
+            raise refuse(rid, exc) from None
+
+    return gpus_of

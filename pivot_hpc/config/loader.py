@@ -1,4 +1,4 @@
-"""Typed config loading: YAML (yaml.safe_load) → nested dataclasses, dotted CLI overrides.
+"""Typed config loading: YAML (safe, alias-free) → nested dataclasses, dotted CLI overrides.
 
 Every component owns one dataclass. This module turns plain data into those dataclasses
 and rejects anything it cannot place: unknown keys (with the list of valid ones), wrong
@@ -18,9 +18,103 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from pivot_hpc.errors import ConfigError, PivotError, fail  # noqa: F401 (re-exported)
+from pivot_hpc.errors import (  # noqa: F401 (re-exported)
+    MAX_SHOWN_CHARS,
+    ConfigError,
+    PivotError,
+    fail,
+    short_repr,
+)
 
 T = TypeVar("T")
+
+# Bounds on YAML the project reads (configs, overrides, profiles, checkpoint configs): far
+# above any real file, far below what would hang the pure-Python parser or fill memory.
+MAX_YAML_CHARS = 8 * 2**20
+MAX_YAML_DEPTH = 100  # real configs nest about 5 levels
+MAX_YAML_INT_CHARS = 100  # Python refuses int(str) over 4300 digits with a ValueError
+
+
+class YamlRefused(yaml.MarkedYAMLError):
+    """Valid YAML this project does not accept (aliases, absurd nesting or numbers)."""
+
+
+class _SafeNoAliasLoader(yaml.SafeLoader):
+    """yaml.SafeLoader without anchors or aliases, with a nesting cap.
+
+    An alias makes the composer share one node, which `_flatten`, `to_dict` and error
+    messages then expand: 9 levels of 9 aliases are 370 bytes and a billion values. No
+    config needs them, so the first anchor is refused before anything is built."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise YamlRefused(
+                problem="YAML anchors and aliases (&name, *name, <<: *name) are not "
+                "supported; write the values out in full",
+                problem_mark=event.start_mark,
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise YamlRefused(
+                    problem=f"nested more than {MAX_YAML_DEPTH} levels deep; flatten it",
+                    problem_mark=event.start_mark,
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value) > MAX_YAML_INT_CHARS:
+            raise YamlRefused(
+                problem=f"an integer of {len(node.value)} characters is too long (at most "
+                f"{MAX_YAML_INT_CHARS})",
+                problem_mark=node.start_mark,
+            )
+        return super().construct_yaml_int(node)
+
+
+_SafeNoAliasLoader.add_constructor("tag:yaml.org,2002:int", _SafeNoAliasLoader.construct_yaml_int)
+
+
+def _parse_yaml(text: str) -> Any:
+    """`yaml.safe_load` without aliases; every failure is a yaml.YAMLError (RecursionError
+    and ValueError included), refusals a YamlRefused."""
+    if len(text) > MAX_YAML_CHARS:
+        raise YamlRefused(
+            problem=f"{len(text)} characters is more than the {MAX_YAML_CHARS} this reader takes"
+        )
+    loader = _SafeNoAliasLoader(text)
+    try:
+        return loader.get_single_data()
+    except RecursionError:  # a deep structure on an already deep stack
+        raise YamlRefused(problem="nested too deeply; flatten it") from None
+    except ValueError as exc:  # e.g. Python's int-str digit limit inside a constructor
+        raise YamlRefused(problem=f"a value cannot be read ({_first_line(exc)})") from None
+    finally:
+        loader.dispose()
+
+
+def _first_line(exc: BaseException) -> str:
+    line = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return line if len(line) <= MAX_SHOWN_CHARS else line[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def load_yaml_text(text: str, source: str) -> Any:
+    """Parse YAML `text` the one way the project reads YAML (safe tags only, no anchors or
+    aliases, bounded size, nesting and integers), or raise ConfigError: one line that starts
+    with `source` (e.g. "config file 'a.yaml'") and says where and what to do."""
+    try:
+        return _parse_yaml(text)
+    except YamlRefused as exc:
+        raise ConfigError(f"{source}: {_yaml_problem(exc)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {_yaml_problem(exc)}") from None
 
 
 def _join(path: str, key: str | int) -> str:
@@ -49,7 +143,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         choices = get_args(tp)
         if value not in choices:
             raise ConfigError(
-                f"config key '{path}': {value!r} is not a valid choice; "
+                f"config key '{path}': {short_repr(value)} is not a valid choice; "
                 f"valid choices: {', '.join(repr(c) for c in choices)}"
             )
         return value
@@ -64,21 +158,23 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError:
                 continue  # try the next member; none matched: the error below
-        raise ConfigError(f"config key '{path}': {value!r} does not match {_type_name(tp)}")
+        raise ConfigError(
+            f"config key '{path}': {short_repr(value)} does not match {_type_name(tp)}"
+        )
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         return from_dict(tp, value, path)
     if origin in (list, tuple, Iterable) or tp in (list, tuple):
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"config key '{path}': expected a list, got {value!r}")
+            raise ConfigError(f"config key '{path}': expected a list, got {short_repr(value)}")
         args = get_args(tp)
         item_tp = args[0] if args else Any
         items = [_convert(v, item_tp, _join(path, i)) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple or tp is tuple else items
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{path}': expected a mapping, got {value!r}")
+            raise ConfigError(f"config key '{path}': expected a mapping, got {short_repr(value)}")
         args = get_args(tp)
         key_tp, val_tp = args if args else (Any, Any)
         return {
@@ -88,10 +184,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"config key '{path}': expected true or false, got {value!r}")
+        raise ConfigError(f"config key '{path}': expected true or false, got {short_repr(value)}")
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key '{path}': expected an integer, got {value!r}")
+            raise ConfigError(f"config key '{path}': expected an integer, got {short_repr(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
@@ -100,17 +196,17 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"config key '{path}': expected a number, got {value!r}")
+            raise ConfigError(f"config key '{path}': expected a number, got {short_repr(value)}")
         if not math.isfinite(value):  # NaN passes every range check: refuse it here, once
-            raise ConfigError(f"config key '{path}': {value!r} is not a finite number")
+            raise ConfigError(f"config key '{path}': {short_repr(value)} is not a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key '{path}': expected a string, got {value!r}")
+            raise ConfigError(f"config key '{path}': expected a string, got {short_repr(value)}")
         return value
     if tp is Path:
         if not isinstance(value, str | Path):
-            raise ConfigError(f"config key '{path}': expected a path, got {value!r}")
+            raise ConfigError(f"config key '{path}': expected a path, got {short_repr(value)}")
         return Path(value)
     raise ConfigError(f"config key '{path}': unsupported field type {_type_name(tp)}")
 
@@ -126,16 +222,17 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         data = {}
     if not isinstance(data, Mapping):
         where = f"config key '{path}'" if path else "config"
-        raise ConfigError(f"{where}: expected a mapping of keys for {cls.__name__}, got {data!r}")
+        raise ConfigError(
+            f"{where}: expected a mapping of keys for {cls.__name__}, got {short_repr(data)}"
+        )
     table = _field_table(cls)
-    unknown = sorted(set(data) - set(table))
+    unknown = sorted(set(data) - set(table), key=str)  # YAML keys may be ints too
     if unknown:
         where = f"section '{path}'" if path else "the top level"
         valid = ", ".join(sorted(table))
-        raise ConfigError(
-            f"unknown config key(s) {', '.join(repr(_join(path, k)) for k in unknown)} in "
-            f"{where}; valid keys: {valid}"
-        )
+        shown = ", ".join(short_repr(_join(path, str(k))) for k in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ConfigError(f"unknown config key(s) {shown}{more} in {where}; valid keys: {valid}")
     kwargs = {}
     for name, (field, tp) in table.items():
         if name in data:
@@ -162,17 +259,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     """`trainer.lr=1e-6` → (['trainer', 'lr'], 1e-6). The value is parsed as YAML."""
     if "=" not in text:
         raise ConfigError(
-            f"override {text!r} is not of the form dotted.key=value (e.g. planner.horizon_s=120)"
+            f"override {short_repr(text)} is not of the form dotted.key=value (e.g. planner.horizon_s=120)"
         )
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"override {text!r}: empty key segment in {key!r}")
+        raise ConfigError(f"override {short_repr(text)}: empty key segment in {short_repr(key)}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _parse_yaml(raw) if raw.strip() else ""
+    except YamlRefused as exc:
+        mark = exc.problem_mark
+        at = f"column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"override {short_repr(text)}: {at}{exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(
-            f"override {text!r}: the value is not valid YAML ({_yaml_problem(exc, 'column')}); "
+            f"override {short_repr(text)}: the value is not valid YAML ({_yaml_problem(exc, 'column')}); "
             "quote it if it is text"
         ) from None
     return parts, value
@@ -207,7 +308,7 @@ def apply_overrides(data: dict, overrides: Iterable[str], root: type | None = No
                 table = _field_table(cls)
                 if key not in table:
                     raise ConfigError(
-                        f"override {text!r}: unknown key '{here}'; valid keys at this level: "
+                        f"override {short_repr(text)}: unknown key '{here}'; valid keys at this level: "
                         f"{', '.join(sorted(table))}"
                     )
                 tp = table[key][1]
@@ -226,33 +327,47 @@ def apply_overrides(data: dict, overrides: Iterable[str], root: type | None = No
                 if child is None:
                     child = node[key] = {}
                 if not isinstance(child, dict):
-                    raise ConfigError(f"override {text!r}: '{here}' is a value, not a section")
+                    raise ConfigError(
+                        f"override {short_repr(text)}: '{here}' is a value, not a section"
+                    )
                 node = child
     return data
 
 
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
+    source = f"config file {str(path)!r}"
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
-            f"offset {exc.start}); save it as UTF-8"
-        ) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(
-            f"config file {str(path)!r} is not valid YAML: {_yaml_problem(exc)}"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror})") from None
+        raise ConfigError(f"{source} does not exist; pass the path of a YAML file")
+    text = read_yaml_file(path, source)
+    data = load_yaml_text(text, source)
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r}: the top level must be a mapping")
+        raise ConfigError(f"{source}: the top level must be a mapping")
     return data
+
+
+def read_yaml_file(path: str | Path, source: str) -> str:
+    """The UTF-8 text of YAML file `path` (at most MAX_YAML_CHARS bytes, checked before
+    reading), or ConfigError: one line starting with `source`."""
+    try:
+        with Path(path).open("rb") as f:
+            raw = f.read(MAX_YAML_CHARS + 1)  # never more than the cap, whatever the file
+    except OSError as exc:
+        raise ConfigError(f"{source} cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > MAX_YAML_CHARS:
+        raise ConfigError(
+            f"{source} is larger than {MAX_YAML_CHARS} bytes, more than any config; "
+            "is it the right file?"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{source} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+            f"offset {exc.start}); save it as UTF-8"
+        ) from None
 
 
 def validate_tree(obj: Any, path: str = "") -> None:

@@ -28,11 +28,25 @@ class ClusterConfig:
     nodes: int = 1  # nodes of the allocation (one MPI host rank each)
     gpus_per_node: int = 4  # GPUs per node (on CPU: worker processes per node)
 
+    # Sanity caps, far above any machine (the largest nodes hold 8-16 GPUs; the simulator's
+    # biggest runs are a few thousand GPUs): a typo like 10000000 fails here, in `config
+    # show` and `simulate` too, instead of reaching `mpirun -n 10000001`.
+    MAX_NODES = 100_000
+    MAX_GPUS_PER_NODE = 64
+
     def validate(self, path: str) -> None:
         if self.nodes < 1:
             fail(f"{path}.nodes", self.nodes, "need at least 1 node")
+        if self.nodes > self.MAX_NODES:
+            fail(f"{path}.nodes", self.nodes, f"at most {self.MAX_NODES} nodes")
         if self.gpus_per_node < 1:
             fail(f"{path}.gpus_per_node", self.gpus_per_node, "need at least 1 GPU per node")
+        if self.gpus_per_node > self.MAX_GPUS_PER_NODE:
+            fail(
+                f"{path}.gpus_per_node",
+                self.gpus_per_node,
+                f"at most {self.MAX_GPUS_PER_NODE} GPUs per node",
+            )
 
     @property
     def total_gpus(self) -> int:

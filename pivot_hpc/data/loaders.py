@@ -8,7 +8,15 @@ Accepted row shapes (JSON Lines, or Parquet with the same columns):
 - anything else: name the columns (`Columns`, config rl.data.prompt_key/answer_key; a
   dotted key reaches into a nested column, e.g. "reward_model.ground_truth")
 A row that does not fit is skipped and counted by reason in the LoadReport; a load never
-raises on bad rows, only on a missing or unreadable file.
+raises on bad rows, only on a missing or unreadable file, or one past the caps below.
+
+Caps: a dataset is held in memory, and a 424 KB Parquet file whose one dictionary-encoded
+prompt repeats 2 M times expands to 4 GB of text. So files are read in batches (Parquet:
+first a pass over Arrow buffers that measures what the rows would become, before any Python
+object is made; JSONL: line by line, each line bounded) and refused past MAX_ROWS rows,
+MAX_FIELD_CHARS characters in one value (MAX_LINE_CHARS in one JSONL line), or
+MAX_TOTAL_CHARS characters in all. The caps sit well above published math datasets
+(DAPO-Math-17k as published: 1.8 M rows, about 1 G characters).
 """
 
 from __future__ import annotations
@@ -20,6 +28,34 @@ from pathlib import Path
 from typing import Any
 
 from pivot_hpc.data.problem import LoadReport, Problem
+
+MAX_ROWS = 10_000_000
+MAX_FIELD_CHARS = 1_000_000  # one prompt, answer or solution
+MAX_LINE_CHARS = 4 * MAX_FIELD_CHARS  # one JSONL row, all its fields
+MAX_TOTAL_CHARS = 2**31  # text of the columns the loader reads (Parquet) or keeps (JSONL)
+MAX_VALUES = 50_000_000  # values of those columns: each becomes a Python object
+PARQUET_BATCH_ROWS = 256  # memory of one batch stays ~MAX_FIELD_CHARS x this, at worst
+
+# Top-level columns `row_to_problem` may look at besides the configured ones: the rest of
+# a Parquet file is never decoded.
+KNOWN_COLUMNS = (
+    "prompt",
+    "problem",
+    "question",
+    "Problem",
+    "Question",
+    "reward_model",
+    "answer",
+    "ground_truth",
+    "Answer",
+    "solution",
+    "extra_info",
+    "id",
+)
+
+
+class DatasetTooLarge(ValueError):
+    """The file is past a cap of this loader (one line: the file, the cap, what to do)."""
 
 
 @dataclass(frozen=True)
@@ -126,23 +162,135 @@ def row_to_problem(
     )
 
 
+def _too_large(path: Path, what: str) -> DatasetTooLarge:
+    return DatasetTooLarge(
+        f"dataset file {str(path)!r} {what}; keep only the rows you train on (split or "
+        "deduplicate the file; caps in pivot_hpc/data/loaders.py)"
+    )
+
+
+def _read_line(f: Any, path: Path, lineno: int) -> str:
+    """The next line, never more than MAX_LINE_CHARS of it in memory."""
+    line = f.readline(MAX_LINE_CHARS + 1)
+    if len(line) > MAX_LINE_CHARS:
+        raise _too_large(path, f"line {lineno + 1} is longer than {MAX_LINE_CHARS} characters")
+    return line
+
+
 def _jsonl_rows(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]]:
     with path.open("r", encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line)
-            except json.JSONDecodeError:
-                report.rows += 1
-                report.skip(i, "invalid JSON")
+        i = 0
+        while line := _read_line(f, path, i):
+            if i >= MAX_ROWS:
+                raise _too_large(path, f"has more than {MAX_ROWS} rows")
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError) as exc:
+                    # ValueError: JSONDecodeError, and ints past Python's int-str digit limit;
+                    # RecursionError: a line of 100 000 '[' (counted, not a traceback)
+                    report.rows += 1
+                    deep = isinstance(exc, RecursionError)
+                    report.skip(i, "nested too deeply" if deep else "invalid JSON")
+                else:
+                    yield i, row
+            i += 1
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+def _needed_columns(names: list[str], columns: Columns) -> list[str]:
+    wanted = {columns.prompt.split(".")[0], columns.answer.split(".")[0], *KNOWN_COLUMNS}
+    return [n for n in names if n in wanted]
+
+
+def _is_text(t: Any) -> bool:
+    import pyarrow as pa
+
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+    )
+
+
+def _measure(arr: Any) -> tuple[int, int, int]:
+    """(characters, longest value, values) of Arrow array `arr` once made Python objects,
+    from its buffers: string bytes (>= characters), nested lists and structs included."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        if not _is_text(t.value_type):
+            return _measure(arr.dictionary_decode())
+        # each row costs its dictionary entry: measured without expanding the strings
+        lengths = pc.take(pc.binary_length(arr.dictionary), arr.indices)
+        return (*_sum_max(lengths), len(arr) - arr.null_count)
+    if _is_text(t):
+        return (*_sum_max(pc.binary_length(arr)), len(arr) - arr.null_count)
+    if pa.types.is_struct(t):
+        parts = [_measure(child) for child in arr.flatten()]
+        chars = sum(p[0] for p in parts)
+        return chars, max((p[1] for p in parts), default=0), sum(p[2] for p in parts) + len(arr)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        chars, longest, values = _measure(arr.flatten())  # maps are lists of structs
+        return chars, longest, values + len(arr)
+    return 0, 0, len(arr)  # numbers, booleans, nulls: one object each
+
+
+def _sum_max(lengths: Any) -> tuple[int, int]:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(lengths).as_py() or 0), int(pc.max(lengths).as_py() or 0)
+
+
+def _check_parquet(path: Path, pf: Any, cols: list[str]) -> None:
+    """Refuse the file past a cap before any of its rows becomes Python objects."""
+    chars = values = 0
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=cols):
+        for name, column in zip(batch.schema.names, batch.columns, strict=True):
+            c, longest, v = _measure(column)
+            if longest > MAX_FIELD_CHARS:
+                raise _too_large(
+                    path,
+                    f"has a value of {longest} characters in column {name!r}, more than the "
+                    f"cap of {MAX_FIELD_CHARS} per field",
+                )
+            chars, values = chars + c, values + v
+        if chars > MAX_TOTAL_CHARS:
+            raise _too_large(
+                path, f"expands to more than the cap of {MAX_TOTAL_CHARS} characters of text"
+            )
+        if values > MAX_VALUES:
+            raise _too_large(path, f"expands to more than the cap of {MAX_VALUES} values")
+
+
+def _parquet_rows(path: Path, columns: Columns) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
-    yield from enumerate(table.to_pylist())
+    try:
+        pf = pq.ParquetFile(path)
+        rows = pf.metadata.num_rows
+        if rows > MAX_ROWS:
+            raise _too_large(path, f"has {rows} rows, more than the cap of {MAX_ROWS}")
+        cols = _needed_columns(pf.schema_arrow.names, columns)
+        if not cols:  # nothing the loader could use: every row is "no prompt"
+            yield from ((i, {}) for i in range(rows))
+            return
+        _check_parquet(path, pf, cols)
+        i = 0
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=cols):
+            for row in batch.to_pylist():
+                yield i, row
+                i += 1
+    except pa.ArrowException as exc:  # ArrowNotImplementedError, ArrowTypeError, …
+        if isinstance(exc, MemoryError):
+            raise
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise ValueError(
+            f"dataset file {str(path)!r} is not a readable Parquet file ({first})"
+        ) from None
 
 
 def load_problems(
@@ -154,19 +302,24 @@ def load_problems(
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     report = LoadReport(source=str(path))
     if path.suffix == ".parquet":
-        rows = _parquet_rows(path)
+        rows = _parquet_rows(path, columns)
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
         rows = _jsonl_rows(path, report)
     else:
         raise ValueError(f"dataset file {str(path)!r}: use .jsonl or .parquet")
     out: list[Problem] = []
+    kept_chars = 0
     for i, row in rows:
         report.rows += 1
         res = row_to_problem(row, i, max_prompt_chars, columns)
         if isinstance(res, str):
             report.skip(i, res)
-        else:
-            out.append(res)
+            continue
+        # what stays in memory (a JSONL file's total; Parquet was measured before)
+        kept_chars += len(res.prompt) + len(res.answer)
+        if kept_chars > MAX_TOTAL_CHARS:
+            raise _too_large(path, f"holds more than the cap of {MAX_TOTAL_CHARS} characters")
+        out.append(res)
     report.kept = len(out)
     return out, report
 
@@ -182,6 +335,12 @@ def usable_problems(
         found, report = load_problems(path, columns=columns)
     except (OSError, ValueError) as exc:
         raise PivotError(f"{key} = {str(path)!r}: {exc}") from None
+    except MemoryError:
+        raise PivotError(
+            f"{key} = {str(path)!r}: ran out of memory reading it; use a smaller file"
+        ) from None
+    except RecursionError:  # a structure too deep for a Parquet row's Python conversion
+        raise PivotError(f"{key} = {str(path)!r}: rows nested too deeply to read") from None
     if not found:
         raise PivotError(
             f"{key} = {str(path)!r}: no usable row ({report.summary()}); name its columns "

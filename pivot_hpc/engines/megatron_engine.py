@@ -20,10 +20,8 @@ joins takes the others' optimizer state in canonical form (`optimizer_state`,
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -650,8 +648,10 @@ class MegatronTrainEngine:
     def load(self, path: str | Path) -> None:
         from megatron.core import dist_checkpointing
 
+        from pivot_hpc.checkpoint.safe_pickle import data_only_loads
+
         template = self._sharded_state_dict()
-        with _weights_only_torch_load():  # megatron's common.pt: data, never code
+        with data_only_loads(path):  # a checkpoint from someone else is data, never code
             state = dist_checkpointing.load(template, str(path))
         missing, _ = self.gpt.load_state_dict(state["model"], strict=False)
         real_missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -669,22 +669,6 @@ class MegatronTrainEngine:
         self.optimizer.load_state_dict(opt)
         self.steps = int(state["engine"]["steps"])
         self.version = int(state["engine"]["version"])
-
-
-@contextlib.contextmanager
-def _weights_only_torch_load():
-    """Every torch.load inside uses torch's weights-only unpickler, whatever the caller asks
-    or the environment says (a checkpoint from someone else must not run code)."""
-    keys = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-    saved = {k: os.environ.pop(k, None) for k in keys}
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -129,9 +129,18 @@ def write_profile(path: Path, result: ProfileResult, *, engine: str, model: str,
 
 def load_profile(path: str | Path) -> ThroughputConfig:
     """The fitted constants of a profile file, as a role's `throughput` config section."""
-    doc = yaml.safe_load(Path(path).read_text())
-    t = doc["throughput"]
-    tc = ThroughputConfig(A=float(t["A"]), B=float(t["B"]), C=float(t["C"]), D=float(t["D"]))
+    from pivot_hpc.config.loader import ConfigError, load_yaml_text, read_yaml_file
+
+    source = f"throughput profile {str(path)!r}"
+    doc = load_yaml_text(read_yaml_file(path, source), source)  # no aliases, bounded
+    t = doc.get("throughput") if isinstance(doc, dict) else None
+    try:
+        tc = ThroughputConfig(A=float(t["A"]), B=float(t["B"]), C=float(t["C"]), D=float(t["D"]))
+    except (TypeError, KeyError, ValueError, OverflowError):
+        raise ConfigError(
+            f"{source}: needs a 'throughput' mapping with numbers A, B, C and D; write it "
+            "with `pivot-hpc profile`"
+        ) from None
     tc.validate(f"{path}:throughput")
     return tc
 

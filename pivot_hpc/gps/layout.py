@@ -144,6 +144,3 @@ class HostLayout:
 
     def header_offset(self, model: str) -> int:
         return HEADER_BYTES * self.model_ids[model]
-
-    def slot_of(self, model: str, version: int) -> int:
-        return version % self.slots(model)

@@ -1,15 +1,25 @@
 """GlobalParameterStorage: the host-memory copy of every model, with Read and Write.
 
-Versioning (double buffer + seqlock). A writable model has two slots per node; version v
-lives in slot v % 2. Each node's header holds the published version and a stamp per slot.
-Write of v+1 (slot t): the leader sets stamp[t] = -1 on every node; barrier; every writer
-fills slot t on every holder; barrier; the leader sets stamp[t] = v+1 on every node, then
-published = v+1 on every node. A Read takes v from its own node's header, copies slot
-v % 2 from the holders of its plan, then re-reads those holders' stamps: if any is no
+Versioning (double buffer + seqlock). A writable model has two slots per node. Each
+node's header holds the published version and a stamp per slot (the version the slot
+holds, -1 while it is rewritten); the slot of version v is the one stamped v, the same
+on every node. Write of w (slot t = the slot NOT stamped with the published version v,
+whatever the parity of w: `write(version=...)` may skip versions): the leader sets
+stamp[t] = -1 on every node; barrier; every writer fills slot t on every holder;
+barrier; the leader sets stamp[t] = w on every node, then published = w on every node.
+A Read takes v from its own node's header and its slot from the stamps, copies that
+slot from the holders of its plan, then re-reads those holders' stamps: if any is no
 longer v (a second Write has started recycling that slot), it retries with the new
 version. So a Read returns exactly one version, never blocks a Write, and is never
-blocked by one. Memory cost: 2x the model's bytes per node for writable models, 1x for
-read-only ones (GenRM).
+blocked by one (a Read fails only if it outlasts gps.read_retries Writes). Memory cost:
+2x the model's bytes per node for writable models, 1x for read-only ones (GenRM).
+
+Memory ordering (MPI-3 unified model, seqlock): the shared window stays in a
+passive-target epoch (Lock_all) for its lifetime so that Win.Sync, a memory barrier in
+the shared-memory component, is legal everywhere. Writers: stamp -1, Sync, barrier,
+Sync, data, Sync, barrier, Sync, stamp, Sync, published, Sync. Readers: published, Sync,
+stamps, Sync, data, Sync, stamps again. Stamps never return to an old version, so a
+re-check that still sees v proves no byte of the copy came from another version.
 """
 
 from __future__ import annotations
@@ -77,12 +87,16 @@ class GlobalParameterStorage:
         self.member = layout.member_of(nodes.node)
         size = int(layout.node_bytes[self.member]) if nodes.is_host else 0
         self._shwin = MPI.Win.Allocate_shared(size, 1, comm=nodes.local)
+        # one passive-target epoch for the window's lifetime: MPI-3 allows Win.Sync (the
+        # barrier every header/data access below relies on) only inside an epoch, and
+        # MPICH enforces it; NOCHECK: nobody ever locks this window exclusively
+        self._shwin.Lock_all(MPI.MODE_NOCHECK)
         mem, _ = self._shwin.Shared_query(0)
         self.buf = np.frombuffer(mem, dtype=np.uint8)
         if nodes.is_host:
             for name in models:
                 self._header(name)[:] = -1  # nothing published, both slots empty
-        nodes.local.Barrier()
+        self._sync_barrier(nodes.local)
         # every rank of a node exposes the node's buffer (its own mapping of the same
         # pages): remote lanes then read one node through several processes (transport_rma)
         self._win = MPI.Win.Create(self.buf, 1, comm=comm)
@@ -128,6 +142,7 @@ class GlobalParameterStorage:
 
     def _set_header(self, node: int, model: str, pos: int, value: int) -> None:
         if node == self.nodes.node:
+            self._shwin.Sync()  # earlier stores (data, stamps) land before this one
             self._header(model)[pos] = value
             self._shwin.Sync()
             return
@@ -138,9 +153,50 @@ class GlobalParameterStorage:
         self._win.Put([val, MPI.BYTE], target, (disp, 8, MPI.BYTE))
         self._win.Unlock(target)
 
+    def _slot_holding(self, model: str, h: np.ndarray, version: int) -> int:
+        """The slot stamped with `version` in header `h`, or -1 (none: being rewritten).
+
+        Stamps, not the parity of `version`, say where a version lives: a Write goes to
+        the slot not holding the published version, and `write(version=...)` may skip
+        versions, so parity alone would point at the slot a Write is recycling."""
+        if version < 0:
+            return -1
+        for s in range(self.layout.slots(model)):
+            if int(h[STAMP0 + s]) == version:
+                return s
+        return -1
+
+    def _published(self, model: str) -> tuple[int, int]:
+        """(published version, its slot or -1) from this node's header, in seqlock order:
+        the writer stores the stamp before `published`, so read `published` first; a Read
+        then copies the slot and re-checks its stamp (`read`)."""
+        h = self._header(model)
+        self._shwin.Sync()  # see the latest stores of writers on this node
+        version = int(h[PUBLISHED])
+        self._shwin.Sync()  # the stamp loads below must not move above the version load
+        stamps = h.copy()
+        self._shwin.Sync()  # nor the caller's data loads above the stamp loads
+        return version, self._slot_holding(model, stamps, version)
+
+    def _free_slot(self, model: str) -> int:
+        """The slot a Write or load fills: never the one readers of the published version
+        are copying (the header is only ever changed by the one writer, who calls this)."""
+        if self.layout.slots(model) < 2:
+            return 0
+        _, held = self._published(model)
+        return 0 if held < 0 else 1 - held
+
+    def _sync_barrier(self, comm: MPI.Comm) -> None:
+        """Stores before it are visible to loads after it on every rank of `comm` (the
+        unified-model recipe for shared windows: Sync; process sync; Sync)."""
+        self._shwin.Sync()
+        comm.Barrier()
+        self._shwin.Sync()
+
     def version(self, model: str) -> int:
         """The published version of `model` as this node sees it (-1: never loaded)."""
         self._spec(model)
+        self._shwin.Sync()  # the reader's half of Sync; barrier (or message); Sync
         return int(self._header(model)[PUBLISHED])
 
     # ---- public operations ----------------------------------------------------------------
@@ -168,7 +224,13 @@ class GlobalParameterStorage:
     def _load_local(self, model, spec, tensors, version) -> None:
         lay = self.layout
         if self.nodes.is_host:
-            slot = lay.slot_of(model, version)
+            # every host sees the same header (same history), so all pick the same slot;
+            # like a Write: the slot not being read, marked in progress before its bytes
+            # change (a load that fails half-way leaves the published version readable)
+            slot = self._free_slot(model)
+            h = self._header(model)
+            h[STAMP0 + slot] = -1
+            self._shwin.Sync()
             get = tensors if callable(tensors) else tensors.__getitem__
             bounds, offs = lay.bounds[model][:, self.member], lay.offsets[model][self.member, slot]
             ends = lay.bounds[model][:, self.member + 1]
@@ -177,12 +239,15 @@ class GlobalParameterStorage:
                 row = t.cols * t.itemsize
                 blk = full[bounds[ti] * row : ends[ti] * row]
                 self.buf[offs[ti] : offs[ti] + blk.size] = blk
-            h = self._header(model)
+            self._shwin.Sync()
             h[STAMP0 + slot] = version
             if lay.slots(model) == 2:
+                # the other slot's version is being replaced (possibly by an older one, a
+                # checkpoint): only the loaded slot may carry a stamp readers accept
                 h[STAMP0 + 1 - slot] = -1
             self._shwin.Sync()
             h[PUBLISHED] = version
+            self._shwin.Sync()
 
     def make_arena(
         self, model: str, ranks: Iterable[int], parallelism: Parallelism, device: str | None = None
@@ -220,14 +285,17 @@ class GlobalParameterStorage:
         version = -1
         try:
             for _ in range(self.cfg.read_retries):
-                version = int(self._header(model)[PUBLISHED])
+                version, slot = self._published(model)
                 if version < 0:
                     raise GPSError(f"model {model!r} has no version yet: load() or write() it")
-                slot = self.layout.slot_of(model, version)
+                if slot < 0:  # a later Write already recycles its slot: take the newer one
+                    self.read_retries += 1
+                    continue
                 batches = self._batches(plan, i, slot)
                 for node, batch in batches:
                     tr = self.local if node == self.nodes.node else self.remote
                     tr.get(node, arena, batch)
+                self._shwin.Sync()  # the copy's loads complete before the stamps are re-read
                 stale = [
                     n for n, _ in batches if self._get_header(n, model)[STAMP0 + slot] != version
                 ]
@@ -285,26 +353,29 @@ class GlobalParameterStorage:
             raise GPSError(f"write of {model!r} aborted before any transfer: {bad}")
         assert arena is not None
         leader = i == 0
-        current = comm.bcast(self.version(model) if leader else None, root=0)
+        # the leader's node header decides for every node (the leader writes all of them
+        # identically); the slot comes from where the published version is, not from the
+        # new version's parity, which `version=` can keep equal to the published one's
+        current, slot = comm.bcast(
+            (self.version(model), self._free_slot(model)) if leader else None, root=0
+        )
         new = current + 1 if version is None else int(version)
         if new <= current:
             raise GPSError(
                 f"write of {model!r} at version {new}: version {current} is already published"
             )
-        slot = self.layout.slot_of(model, new)
         nodes = range(self.nodes.num_nodes)
         if leader:
             for n in nodes:
                 self._set_header(n, model, STAMP0 + slot, -1)
-        comm.Barrier()
+        self._sync_barrier(comm)  # no writer touches slot t before it is marked -1
         try:
             for node, batch in self._batches(plan, i, slot):
                 tr = self.local if node == self.nodes.node else self.remote
                 tr.put(node, arena, batch)
         finally:
             getattr(self.remote, "release", lambda a: None)(arena)
-        self._shwin.Sync()
-        comm.Barrier()
+        self._sync_barrier(comm)  # every writer's bytes land before the stamp
         if leader:
             for n in nodes:
                 self._set_header(n, model, STAMP0 + slot, new)
@@ -322,13 +393,18 @@ class GlobalParameterStorage:
     def host_shard(self, model: str, name: str, version: int | None = None) -> np.ndarray:
         """This node's member block of one tensor (host-side view; for checks and tests)."""
         spec = self._spec(model)
-        v = self.version(model) if version is None else version
+        if version is None:
+            v, slot = self._published(model)
+        else:
+            v, slot = version, self._slot_holding(model, self._header(model).copy(), version)
+        if slot < 0:
+            raise GPSError(f"{model!r}: no slot of node {self.nodes.node} holds version {v}")
         ti = spec.index[name]
         t = spec.tensors[ti]
         lay = self.layout
         b = lay.bounds[model][ti]
         rows = int(b[self.member + 1] - b[self.member])
-        off = int(lay.offsets[model][self.member, lay.slot_of(model, v), ti])
+        off = int(lay.offsets[model][self.member, slot, ti])
         nbytes = rows * t.cols * t.itemsize
         return self.buf[off : off + nbytes]
 
@@ -341,6 +417,7 @@ class GlobalParameterStorage:
             self._groups[g].Free()
         self._groups.clear()
         self._win.Free()
+        self._shwin.Unlock_all()  # end the lifetime epoch (__init__): Free needs none open
         self._shwin.Free()
 
     # ---- helpers -------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SeqResult
 from pivot_hpc.rl.rewards import GenRMStats
 from pivot_hpc.runtime.live_samples import LivePayload
+from pivot_hpc.safe_files import open_for_write
 
 RL_STATE = "rl_state.json"
 RANKS = "ranks.json"
@@ -103,7 +104,8 @@ class LiveCheckpointer:
         # 2. ranks: RNG states; training state on the training ranks
         ranks, train_s = self.cluster.save_ranks(str(tmp))
         ranks[0] = coordinator_rng()
-        (tmp / RANKS).write_bytes(codec.dumps(ranks))
+        with open_for_write(tmp / RANKS, "wb", private=False) as f:
+            f.write(codec.dumps(ranks))
         # 3. RL state
         state = {
             "rl": rl.state(),
@@ -111,7 +113,8 @@ class LiveCheckpointer:
             "rewards": list(coord.stats.rewards),
             "genrm_stats": self.samples.genrm_stats,
         }
-        (tmp / RL_STATE).write_bytes(codec.dumps(state))
+        with open_for_write(tmp / RL_STATE, "wb", private=False) as f:
+            f.write(codec.dumps(state))
         partial_tokens = sum(len(r.token_ids) for r in partials.values())
         replay = len(rl.replay_buffer())
         # generated work the checkpoint keeps: finished rollouts and judgements not yet

@@ -12,13 +12,15 @@ import logging
 import warnings
 from pathlib import Path
 
+from pivot_hpc.safe_files import open_for_write
+
 
 def route_to_log(run_dir: Path, rank: int) -> Path:
     """Send this rank's warnings and library log records to its log file; returns it."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"rank-{rank:04d}.log"
-    stream = open(path, "a", buffering=1, encoding="utf-8")
+    stream = open_for_write(path, "a", private=False)  # a planted link is not followed
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         stream.write(warnings.formatwarning(message, category, filename, lineno, line))

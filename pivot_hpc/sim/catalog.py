@@ -343,12 +343,13 @@ def inference_costs(
 
 def read_profile(path: str | Path) -> dict:
     """A `pivot-hpc profile` YAML file as a mapping ({} for an empty file)."""
-    import yaml
+    from pivot_hpc.config.loader import ConfigError, load_yaml_text, read_yaml_file
 
-    try:
-        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise CatalogError(f"{path}: unreadable profile ({str(exc).splitlines()[0]})") from None
+    try:  # the project's one YAML reader: no aliases, bounded size, nesting and numbers
+        source = f"profile {str(path)!r}"
+        doc = load_yaml_text(read_yaml_file(path, source), source) or {}
+    except ConfigError as exc:
+        raise CatalogError(str(exc)) from None
     if not isinstance(doc, dict):
         raise CatalogError(f"{path}: a profile is a mapping; write one with `pivot-hpc profile`")
     return doc

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -12,9 +14,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-from pivot_hpc.telemetry.errors import TelemetryError
+from pivot_hpc.telemetry.errors import TelemetryError, printable
 from pivot_hpc.telemetry.schema import (
     ADDED_IN,
+    CHUNK_ROWS,
     DATASETS,
     DTYPES,
     OPTIONAL,
@@ -43,9 +46,12 @@ class Run:
         return self.datasets[name]
 
     def attr(self, key: str, default: Any = None) -> Any:
-        """Root attribute `key` of the first file; `default` if absent or empty."""
+        """Root attribute `key` of the first file; `default` if absent or empty. Text comes
+        without control characters: it is printed, and the file may be someone else's."""
         value = self.meta.get(key, default)
-        return default if value == "" else value
+        if value == "":
+            return default
+        return printable(value) if isinstance(value, str) else value
 
     @property
     def config(self) -> dict[str, Any]:
@@ -101,11 +107,32 @@ def find_files(run_dir: str | Path) -> list[Path]:
     for d in (p / "telemetry", p):
         files = [f for _, f in alloc_files(d)]
         if files:
+            for f in files:
+                _check_inside(f, p)
             return files
     raise TelemetryError(
         f"{p}: no telemetry files (expected {p}/telemetry/alloc-NNN.h5); "
         "is this a pivot_hpc run directory?"
     )
+
+
+def _check_inside(path: Path, run_dir: Path) -> None:
+    """A run's telemetry file must be a regular file inside the run directory: a symbolic
+    link (or a linked `telemetry` directory) could make `report` read any file the user
+    can, and a FIFO would block the first read forever."""
+    try:
+        st = path.lstat()
+        inside = path.resolve().is_relative_to(run_dir.resolve())
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise TelemetryError(f"{path}: unreadable ({exc}); move it aside") from None
+    if stat.S_ISLNK(st.st_mode) or not inside:
+        raise TelemetryError(
+            f"{path}: a symbolic link, or inside a linked directory, that leads out of the "
+            f"run directory {run_dir}; telemetry is read from the run directory only: copy "
+            "the file there"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise TelemetryError(f"{path}: unreadable (not a regular file); move it aside")
 
 
 PROBE_TIMEOUT_S = 10.0  # a killed writer's file must read within this, or it is damaged
@@ -166,12 +193,14 @@ def _open(path: Path) -> h5py.File:
             ) from None
 
 
+# The child reads the file as the reader does, with the same refusals (a hostile file can
+# carry the "open for write" flag to get here). `-P` and sys.path[0] set explicitly: a
+# module planted in the current directory (maybe the run directory) is never imported.
 _PROBE = """
-import sys, h5py
-with h5py.File(sys.argv[1], "r", swmr=True) as f:
-    dict(f.attrs)
-    for name in f:
-        f[name][...]
+import sys
+sys.path.insert(0, sys.argv[2])
+from pivot_hpc.telemetry.reader import probe_read
+probe_read(sys.argv[1])
 """
 
 
@@ -180,7 +209,7 @@ def _probe_swmr(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     SWMR reader retries for minutes, and a child can be stopped. None if it reads."""
     try:
         r = subprocess.run(
-            [sys.executable, "-c", _PROBE, str(path)],
+            [sys.executable, "-P", "-c", _PROBE, str(path), str(_PACKAGE_PARENT)],
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -189,8 +218,48 @@ def _probe_swmr(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
         return f"HDF5 still retrying its metadata reads after {timeout_s:.0f} s"
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["unreadable"])[-1]
+        if last.startswith(_REFUSED):
+            raise TelemetryError(last.removeprefix(_REFUSED))
         return last[:300]
     return None
+
+
+_REFUSED = "pivot-hpc telemetry refusal: "
+
+
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+
+
+def probe_read(path: str) -> None:
+    """The SWMR probe's child: read `path` as `open_run` does (exit status 1 on failure)."""
+    p = Path(path)
+    try:
+        with h5py.File(p, "r", swmr=True) as f:
+            _read_contents(f, p)
+    except TelemetryError as exc:  # a refusal, not damage: the parent shows it as it is
+        raise SystemExit(_REFUSED + str(exc)) from None
+
+
+# What a telemetry file may declare, checked before anything is read: a hostile file (a
+# colleague's run directory, a download) can declare far more data than it holds, or data
+# held in other files. The writer stores rows uncompressed in chunks, so the rows a
+# dataset declares must fit in the bytes it stores, bar the few chunks a killed writer
+# may have sized but not written; a file compressed afterwards (h5repack) can still not
+# beat deflate's limit of about 1032:1.
+MAX_COMPRESSION = 1032
+UNFINISHED_CHUNKS = 2
+# Root attributes the summary computes with, and the types they must have (a value of
+# "" stands for None). Checked here so that a hostile file fails in one line, not with a
+# TypeError deep in a metric.
+_INT_ATTRS = ("gpus", "staleness")
+_NUMBER_ATTRS = (
+    "horizon_s",
+    "bound_rollout_per_gpu",
+    "bound_reward_per_gpu",
+    "bound_train_gpu_s_per_token",
+    "bound_critical_path",
+)
+_TEXT_ATTRS = ("mode", "strategy", "label")
 
 
 def _attr_value(value: Any) -> Any:
@@ -203,61 +272,211 @@ def _attr_value(value: Any) -> Any:
     return value
 
 
-def read_attrs(f: h5py.File) -> dict[str, Any]:
-    attrs = {k: _attr_value(v) for k, v in f.attrs.items()}
+def _check_attr(f: h5py.File, key: str, path: Path, file_size: int) -> None:
+    """An attribute's declared size must be held by the file, and variable-length values
+    (each may point at the same stored object, so they are not) come one at a time."""
+    aid = f.attrs.get_id(key)
+    dt, count = aid.dtype, math.prod(aid.shape or ())
+    if dt.hasobject:
+        if aid.shape not in ((), (1,)) or h5py.check_string_dtype(dt) is None:
+            raise TelemetryError(
+                f"{path}: attribute {key!r} holds variable-length data of shape {aid.shape} "
+                "(the writer stores single values); move the file aside"
+            )
+    elif count * dt.itemsize > file_size:
+        raise TelemetryError(
+            f"{path}: attribute {key!r} declares {count * dt.itemsize} bytes, more than the "
+            f"file's {file_size}; move the file aside"
+        )
+
+
+def read_attrs(f: h5py.File, path: Path | None = None) -> dict[str, Any]:
+    path = Path(f.filename) if path is None else path
+    file_size = path.stat().st_size
+    attrs = {}
+    for key in f.attrs:  # names only: nothing is read before its size is checked
+        _check_attr(f, key, path, file_size)
+        attrs[key] = _attr_value(f.attrs[key])
     for key in json.loads(attrs.get("json_keys", "[]") or "[]"):
         if isinstance(attrs.get(key), str):
             attrs[key] = json.loads(attrs[key])
     return attrs
 
 
-def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    with _open(path) as f:
+def _check_meta(attrs: dict[str, Any], path: Path) -> None:
+    """The root attributes the metrics use have the types the writer gives them."""
+    for key in (*_INT_ATTRS, *_NUMBER_ATTRS, *_TEXT_ATTRS):
+        value = attrs.get(key, "")
+        if value == "" or value is None:
+            continue
+        if key in _TEXT_ATTRS:
+            ok = isinstance(value, str)
+        elif key in _INT_ATTRS:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok:
+            raise TelemetryError(
+                f"{path}: root attribute {key!r} = {value!r:.80} is not "
+                f"{_KIND[key]}; move the file aside"
+            )
+
+
+_KIND = (
+    dict.fromkeys(_INT_ATTRS, "a count (an integer >= 0)")
+    | dict.fromkeys(_NUMBER_ATTRS, "a number")
+    | dict.fromkeys(_TEXT_ATTRS, "text")
+)
+
+
+def _link_kind(f: h5py.File, name: str) -> str | None:
+    """How `name` is linked in the root group, read without following the link: "hard",
+    another kind, or None when absent. (`name in f` would follow an external link, i.e.
+    open another file.)"""
+    key = name.encode()
+    if not f.id.links.exists(key):
+        return None
+    kind = f.id.links.get_info(key).type
+    return {
+        h5py.h5l.TYPE_HARD: "hard",
+        h5py.h5l.TYPE_SOFT: "a soft link",
+        h5py.h5l.TYPE_EXTERNAL: "an external link (to another file)",
+    }.get(kind, "a user-defined link")
+
+
+def _dataset(f: h5py.File, name: str, path: Path) -> h5py.Dataset | None:
+    """Dataset `name`, refused unless it is what the writer makes: a 1-D table of fixed-size
+    fields whose rows are stored in this file. None if there is no such link. The checks
+    run in this order because a virtual dataset opens its source files as soon as its
+    shape is asked for."""
+    kind = _link_kind(f, name)
+    if kind is None:
+        return None
+
+    def refuse(why: str) -> TelemetryError:
+        return TelemetryError(
+            f"{path}: {name!r} {why}; telemetry files hold their own rows: move the file aside"
+        )
+
+    if kind != "hard":
+        raise refuse(f"is {kind}, not a dataset")
+    ds = f[name]
+    if not isinstance(ds, h5py.Dataset):
+        raise refuse(f"is a {type(ds).__name__.lower()}, not a dataset")
+    if ds.is_virtual:
+        raise refuse("is a virtual dataset (its rows are read from other files)")
+    if ds.external:
+        raise refuse("keeps its rows in external files")
+    dt = ds.dtype
+    if dt.names is None:
+        raise refuse(f"has type {str(dt)[:40]}, not a table of fields")
+    if dt.hasobject:
+        raise refuse("has variable-length fields")
+    if ds.ndim != 1:
+        raise refuse(f"has shape {ds.shape}, not one row per entry")
+    _check_fields(dt, name, path)
+    _check_rows(ds, name, path)
+    return ds
+
+
+def _check_fields(dt: np.dtype, name: str, path: Path) -> None:
+    """The schema's fields are there (bar optional ones) with the writer's kind of type:
+    text where text belongs, plain numbers elsewhere."""
+    want = DTYPES[name]
+    have = set(dt.names or ())
+    missing = set(want.names or ()) - have - set(OPTIONAL.get(name, {}))
+    if missing:
+        raise TelemetryError(f"{path}: dataset {name!r} lacks fields {sorted(missing)}")
+    for col in sorted(have & set(want.names or ())):
+        got = dt[col]
+        text = want[col].kind == "S"
+        if got.shape != () or (got.kind == "S") != text or got.kind not in "biufS":
+            raise TelemetryError(
+                f"{path}: dataset {name!r} field {col!r} has type {got}, not {want[col]}; "
+                "move the file aside"
+            )
+
+
+def _check_rows(ds: h5py.Dataset, name: str, path: Path) -> None:
+    """The rows a dataset declares must be stored in the file (see MAX_COMPRESSION)."""
+    declared = ds.shape[0] * ds.dtype.itemsize
+    stored = ds.id.get_storage_size()
+    file_size = path.stat().st_size  # after `stored`: a live writer only adds bytes
+    filtered = ds.id.get_create_plist().get_nfilters() > 0
+    slack = UNFINISHED_CHUNKS * CHUNK_ROWS[name] * DTYPES[name].itemsize
+    held = stored * (MAX_COMPRESSION if filtered else 1) + slack
+    if stored > file_size or declared > held:
+        raise TelemetryError(
+            f"{path}: dataset {name!r} declares {ds.shape[0]} rows ({declared} bytes) but "
+            f"stores {stored} bytes in a file of {file_size}: it cannot hold them; move the "
+            "file aside"
+        )
+
+
+def _decode(raw: np.ndarray, name: str) -> np.ndarray:
+    """Rows in the reader's dtype (text as str); fields an older file lacks get defaults."""
+    names = DTYPES[name].names or ()
+    have = set(raw.dtype.names or ())
+    optional = OPTIONAL.get(name, {})
+    present = [n for n in names if n in have]
+    decoded = raw[present].astype(DECODED[name][present])
+    out = np.empty(len(raw), dtype=DECODED[name])
+    for n in names:  # optional fields an older file lacks read as their default
+        out[n] = decoded[n] if n in have else optional[n]
+    return out
+
+
+def _read_contents(f: h5py.File, path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Attributes and datasets of an open telemetry file, each checked before it is read."""
+    try:
+        attrs = read_attrs(f, path)
+    # KeyError: h5py's answer to an attribute it cannot open in a damaged file
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise TelemetryError(
+            f"{path}: damaged file attributes ({str(exc).splitlines()[0][:200]}); "
+            "move the file aside (the run's other files still read)"
+        ) from None
+    version = attrs.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TelemetryError(
+            f"{path}: not a pivot_hpc telemetry file (schema_version {version!r}); "
+            "move it out of the telemetry directory"
+        )
+    if version > SCHEMA_VERSION:
+        raise TelemetryError(
+            f"{path}: telemetry schema_version {version!r} is not readable by this "
+            f"pivot_hpc (reads <= {SCHEMA_VERSION}); upgrade pivot_hpc"
+        )
+    _check_meta(attrs, path)
+    data = {}
+    for name in DATASETS:
         try:
-            attrs = read_attrs(f)
-        except (OSError, RuntimeError, ValueError, TypeError) as exc:
-            raise TelemetryError(
-                f"{path}: damaged file attributes ({str(exc).splitlines()[0][:200]}); "
-                "move the file aside (the run's other files still read)"
-            ) from None
-        version = attrs.get("schema_version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise TelemetryError(
-                f"{path}: not a pivot_hpc telemetry file (schema_version {version!r}); "
-                "move it out of the telemetry directory"
-            )
-        if version > SCHEMA_VERSION:
-            raise TelemetryError(
-                f"{path}: telemetry schema_version {version!r} is not readable by this "
-                f"pivot_hpc (reads <= {SCHEMA_VERSION}); upgrade pivot_hpc"
-            )
-        data = {}
-        for name in DATASETS:
-            if name not in f and version < ADDED_IN.get(name, 1):
+            ds = _dataset(f, name, path)
+            if ds is None and version < ADDED_IN.get(name, 1):
                 data[name] = np.empty(0, dtype=DECODED[name])
                 continue
-            if name not in f:
+            if ds is None:
                 raise TelemetryError(f"{path}: dataset {name!r} is missing")
-            try:
-                raw = f[name][...]
-                names = DTYPES[name].names or ()
-                have = set(raw.dtype.names or ())
-                optional = OPTIONAL.get(name, {})
-                missing = set(names) - have - set(optional)
-                if missing:
-                    raise TelemetryError(f"{path}: dataset {name!r} lacks fields {sorted(missing)}")
-                present = [n for n in names if n in have]
-                decoded = raw[present].astype(DECODED[name][present])
-                out = np.empty(len(raw), dtype=DECODED[name])
-                for n in names:  # optional fields an older file lacks read as their default
-                    out[n] = decoded[n] if n in have else optional[n]
-                data[name] = out
-            except (OSError, RuntimeError, ValueError, UnicodeDecodeError) as exc:
-                raise TelemetryError(
-                    f"{path}: dataset {name!r} is damaged ({str(exc).splitlines()[0][:200]}); "
-                    "move the file aside"
-                ) from None
+            data[name] = _decode(ds[...], name)
+        except (OSError, RuntimeError, ValueError, UnicodeDecodeError) as exc:
+            raise TelemetryError(
+                f"{path}: dataset {name!r} is damaged ({str(exc).splitlines()[0][:200]}); "
+                "move the file aside"
+            ) from None
+        except KeyError as exc:  # h5py: an object its link names cannot be opened
+            raise TelemetryError(
+                f"{path}: dataset {name!r} cannot be opened ({exc}); move the file aside"
+            ) from None
+        except MemoryError:  # compressed rows (bounded by MAX_COMPRESSION) past this machine's
+            raise TelemetryError(
+                f"{path}: dataset {name!r} does not fit in memory; move the file aside"
+            ) from None
     return attrs, data
+
+
+def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    with _open(path) as f:
+        return _read_contents(f, path)
 
 
 def open_run(run_dir: str | Path) -> Run:

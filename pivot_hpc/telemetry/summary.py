@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from pivot_hpc.telemetry.errors import printable
 from pivot_hpc.telemetry.reader import Run
 
 ALLOC_ROLES = ("rollout", "reward", "training", "idle", "transition")
@@ -313,9 +314,11 @@ def format_summary(s: dict[str, Any]) -> str:
     """The human-readable report."""
     u = s["utilisation"]
     lines = [
-        f"run        {s['run_dir']}  ({s['files']} allocation file(s))",
-        f"mode       {s['label']}   gpus={_num(s['gpus'], '{}')}   "
-        f"H={_num(s['horizon_s'], '{:g}')}s   simulated={s['simulated']}",
+        f"run        {printable(s['run_dir'])}  ({s['files']} allocation file(s))",
+        # the label is the file's text (Run.attr strips escapes); stripped again here since
+        # summaries also come from elsewhere
+        f"mode       {printable(str(s['label']))}   gpus={_num(s['gpus'], '{}')}   "
+        f"H={_num(s['horizon_s'], '{:g}')}s   simulated={printable(str(s['simulated']))}",
         f"steps      {s['steps']}   duration {s['duration_s']:.1f} s",
         f"throughput {s['tokens_per_s']:.1f} tokens/s end to end "
         f"({s['tokens']} rollout+reward tokens)   steady state "

@@ -13,10 +13,12 @@ replicas, the run's topology maps them to GPUs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from pivot_hpc.telemetry.errors import TelemetryError, printable
 from pivot_hpc.telemetry.reader import Run
 
 US = 1e6  # trace timestamps are microseconds
@@ -26,6 +28,27 @@ SHIFT_PHASES = {
     "up": ("read_s", "reload_s"),
     "down": ("discard_s", "offload_s"),
 }
+# Past this many events the trace is not worth writing (the JSON is gigabytes; the Perfetto
+# UI does not load it), and the events held in memory alone take several GB. A shift row
+# adds one event per GPU it moved, so a small hostile file could otherwise ask for billions.
+MAX_EVENTS = 5_000_000
+
+
+@lru_cache(maxsize=4096)
+def _text(value: object) -> str:
+    """A string from the telemetry as it may appear in the trace: the file may be someone
+    else's, and its text is shown by trace viewers (and terminals that print the JSON).
+    Cached: roles, kinds and replica ids repeat on every row."""
+    return printable(str(value))
+
+
+def _check_size(events: list[dict[str, Any]], more: int = 0) -> None:
+    """Refuse before `more` events would take the trace past MAX_EVENTS."""
+    if len(events) + more > MAX_EVENTS:
+        raise TelemetryError(
+            f"the trace would have more than {MAX_EVENTS} events, more than a trace viewer "
+            "loads; trace a shorter run or fewer GPUs"
+        )
 
 
 def _us(t: float) -> float:
@@ -42,6 +65,7 @@ def build(
     shift row's GPU count is passed along)."""
     events: list[dict[str, Any]] = []
     nodes = max(1, -(-num_gpus // gpus_per_node))
+    _check_size(events, 2 * (nodes + num_gpus))  # two metadata events per node and GPU
     for node in range(nodes):
         events.append(_meta("process_name", node, 0, name=f"node {node}"))
         events.append(_meta("process_sort_index", node, 0, sort_index=node))
@@ -59,7 +83,8 @@ def build(
     holding: dict[int, tuple[str, float, str]] = {}  # gpu -> (role, since, replica)
     shifts = run["shifts"]
     for row in shifts[np.argsort(shifts["t"], kind="stable")]:
-        kind, role, rid = str(row["kind"]), str(row["role"]), str(row["replica"])
+        _check_size(events)
+        kind, role, rid = _text(row["kind"]), _text(row["role"]), str(row["replica"])
         t_end, total = float(row["t"]), float(row["total_s"])
         t0 = max(0.0, t_end - total)
         gpus = gpus_of(rid, int(row["gpus"]))
@@ -80,7 +105,7 @@ def build(
                     "dur": _us(t_end - t0),
                     "cname": "grey",
                     "args": {
-                        "replica": rid,
+                        "replica": _text(rid),
                         "plan_id": int(row["plan_id"]),
                         "penalty": float(row["penalty"]),
                         "benefit": float(row["benefit"]),
@@ -94,6 +119,7 @@ def build(
     for gpu, (role, since, rid) in holding.items():
         events.append(_role_slice(gpu // gpus_per_node, gpu, role, rid, since, end))
 
+    _check_size(events, len(run["steps"]))
     for row in run["steps"]:
         events.append(
             {
@@ -110,12 +136,13 @@ def build(
                 },
             }
         )
+    _check_size(events, len(run["planner"]))
     for row in run["planner"]:
         if int(row["n_up"]) == 0 and int(row["n_down"]) == 0:
             continue  # decisions that kept the allocation: too many to show
         events.append(
             _instant(
-                f"plan {int(row['plan_id'])}: {str(row['up_role']) or '-'} +{int(row['n_up'])}",
+                f"plan {int(row['plan_id'])}: {_text(row['up_role']) or '-'} +{int(row['n_up'])}",
                 "planner",
                 row["t"],
                 1,
@@ -128,20 +155,22 @@ def build(
                 },
             )
         )
+    _check_size(events, len(run["migrations"]))
     for row in run["migrations"]:
         events.append(
             _instant(
-                f"migrate {int(row['sequences'])} {row['role']} ({row['kind']})",
+                f"migrate {int(row['sequences'])} {_text(row['role'])} ({_text(row['kind'])})",
                 "migration",
                 row["t"],
                 2,
                 {k: float(row[k]) for k in ("abort_s", "dispatch_s", "reprefill_s")},
             )
         )
+    _check_size(events, len(run["throughput"]))
     for row in run["throughput"]:
         events.append(
             {
-                "name": f"{row['role']} tokens/s",
+                "name": f"{_text(row['role'])} tokens/s",
                 "cat": "throughput",
                 "ph": "C",
                 "pid": CONTROL_PID,
@@ -152,6 +181,7 @@ def build(
                 },
             }
         )
+    _check_size(events, len(run["allocation"]))
     for row in run["allocation"]:
         events.append(
             {
@@ -176,8 +206,8 @@ def build(
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {
-            "mode": str(run.meta.get("mode", "")),
-            "strategy": str(run.meta.get("strategy", "")),
+            "mode": _text(run.meta.get("mode", "")),
+            "strategy": _text(run.meta.get("strategy", "")),
             "simulated": bool(run.meta.get("simulated", False)),
             "allocations": len(run.files),
         },
@@ -203,7 +233,7 @@ def _instant(name: str, cat: str, t: float, tid: int, args: dict[str, Any]) -> d
 
 def _role_slice(pid: int, gpu: int, role: str, rid: str, t0: float, t1: float) -> dict:
     return {
-        "name": role,
+        "name": _text(role),
         "cat": "role",
         "ph": "X",
         "pid": pid,
@@ -211,7 +241,7 @@ def _role_slice(pid: int, gpu: int, role: str, rid: str, t0: float, t1: float) -
         "ts": _us(t0),
         "dur": _us(max(0.0, t1 - t0)),
         "cname": ROLE_COLOURS.get(role, "generic_work"),
-        "args": {"replica": rid},
+        "args": {"replica": _text(rid)},
     }
 
 

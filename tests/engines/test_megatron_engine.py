@@ -111,9 +111,9 @@ def test_megatron_engine(which, request):
         assert math.isfinite(res[f"agg_{mode}"])
 
 
-def test_megatron_checkpoint_metadata_passes_the_pickle_scan(tp1):
+def test_megatron_checkpoint_metadata_loads_through_the_allow_list(tp1):
     """The only pickle in a checkpoint (torch DCP's .metadata) holds plain data only."""
-    from pivot_hpc.checkpoint.pickle_scan import check_metadata
+    from pivot_hpc.checkpoint.safe_pickle import check_metadata
 
     check_metadata(tp1[1] / "ckpt" / ".metadata")
 

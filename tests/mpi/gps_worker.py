@@ -147,10 +147,10 @@ def sc_roundtrip(args, world) -> None:
         v = gps.write("policy", writers, wpar, expected(spec, wpar, writers.index(me), 1))
         assert v == 1, v
     world.Barrier()
-    assert gps.version("policy") == 1
+    assert gps.version("policy") == 1, f"rank {me}: version {gps.version('policy')}, expected 1"
     if me == 0:  # reader outside the writers' layout
         got, v = gps.read("policy", [0], Parallelism())
-        assert v == 1, v
+        assert v == 1, f"TP=1 read returned version {v}, expected 1"
         same_bytes(got, expected(spec, Parallelism(), 0, 1), "TP=1 read after TP2/PP2 write")
     if gps.nodes.is_host:  # every replica (or group member) holds its block of version 1
         lay, m = gps.layout, gps.member
@@ -159,17 +159,20 @@ def sc_roundtrip(args, world) -> None:
             blk = full(spec, t.name, 1)[b[m] : b[m + 1]]
             if gps.host_shard("policy", t.name).tobytes() != np.ascontiguousarray(blk).tobytes():
                 raise AssertionError(f"node {gps.nodes.node}: {t.name} missing version 1")
+    # a barrier only stops ranks leaving before all have entered: without this one a
+    # rank descheduled after the barrier above could already see Write 2's version
+    world.Barrier()
     # a second write, from a DP=2 x TP=2 layout (replicas share the load), then TP=4 read
     wpar2 = Parallelism(tp=2, pp=1, dp=2)
     if me in writers:
         v = gps.write("policy", writers, wpar2, expected(spec, wpar2, writers.index(me), 2))
-        assert v == 2
+        assert v == 2, f"second write returned version {v}, expected 2"
     world.Barrier()
     readers = [(j + 1) % W for j in range(4)]
     if me in readers:
         par = Parallelism(tp=4)
         got, v = gps.read("policy", readers, par)
-        assert v == 2
+        assert v == 2, f"rank {me}: TP=4 read returned version {v}, expected 2"
         same_bytes(got, expected(spec, par, readers.index(me), 2), "TP=4 read of version 2")
     # bad input: every writer fails cleanly, nothing is published
     if me in writers:
@@ -183,7 +186,9 @@ def sc_roundtrip(args, world) -> None:
         else:
             raise AssertionError("a write with a missing shard must fail on every writer")
     world.Barrier()
-    assert gps.version("policy") == 2
+    assert gps.version("policy") == 2, (
+        f"rank {me}: version {gps.version('policy')} after a failed write, expected 2"
+    )
     gps.close()
 
 
@@ -199,7 +204,7 @@ def sc_concurrent(args, world) -> None:
     if me in writers:
         for v in range(1, final + 1):
             got = gps.write("big", writers, par_w, expected(BIG, par_w, writers.index(me), v))
-            assert got == v
+            assert got == v, f"write of version {v} returned {got}"
     else:
         par = Parallelism(tp=1)
         cache: dict[int, dict] = {}
@@ -253,6 +258,98 @@ def sc_recycle(args, world) -> None:
         assert gps.read_retries == 1, gps.read_retries
         assert v == 2, v
         same_bytes(got, expected(BIG, Parallelism(), 0, 2), "read retried after slot recycle")
+    gps.close()
+
+
+def sc_parity(args, world) -> None:
+    """Writes whose explicit version keeps the published version's parity (as elastic
+    training publishes optimizer state) must not touch the slot readers are using.
+
+    1. Deterministic: rank 3's first copy of version 0 lets writers 0 and 1 publish
+       version 2 (same parity) before the copy returns. The Read must return version 0
+       whole without a retry: Write 2 went to the other slot.
+    2. Stress: the writers publish 4, 6, 8, ... back to back while every other rank
+       reads in a loop. No Read may fail (GPSError after gps.read_retries) and every
+       Read's bytes must be exactly the version it reports (a torn or mislabelled read
+       differs from `expected(..., v)`).
+    """
+    models = {"big": BIG}
+    gps = make_gps(args, models=models)
+    gps.load("big", lambda n: full(BIG, n, 0), 0)
+    me, writers, par_w, reader = world.rank, [0, 1], Parallelism(tp=2), 3
+    mine = writers.index(me) if me in writers else -1
+
+    # ---- 1. one same-parity Write lands inside a Read's copy
+    if me in writers:
+        world.recv(source=reader, tag=21)
+        got = gps.write("big", writers, par_w, expected(BIG, par_w, mine, 2), version=2)
+        assert got == 2, f"write at version=2 returned {got}"
+        world.send("done", dest=reader, tag=22)
+    elif me == reader:
+        copy = gps.local.get
+        calls: list[int] = []
+
+        def slow_copy(node, arena, batch):
+            copy(node, arena, batch)
+            if not calls:
+                calls.append(1)
+                for w in writers:
+                    world.send("go", dest=w, tag=21)
+                for w in writers:
+                    world.recv(source=w, tag=22)
+
+        gps.local.get = slow_copy
+        try:
+            got, v = gps.read("big", [me], Parallelism())
+        finally:
+            gps.local.get = copy
+        assert calls, "the read never copied node-local bytes"
+        assert (v, gps.read_retries) == (0, 0), (
+            f"read during a same-parity write returned version {v} after "
+            f"{gps.read_retries} retries; expected version 0 with no retry"
+        )
+        same_bytes(got, expected(BIG, Parallelism(), 0, 0), "read of v0 during write of v2")
+    world.Barrier()
+    assert gps.version("big") == 2, f"rank {me}: version {gps.version('big')}, expected 2"
+
+    # ---- 2. same-parity Writes back to back while everyone else reads
+    final = 2 + 2 * args.versions
+    failed: list[str] = []
+    torn: list[int] = []
+    seen: set[int] = set()
+    reads = 0
+    if me in writers:
+        for v in range(4, final + 1, 2):
+            got = gps.write("big", writers, par_w, expected(BIG, par_w, mine, v), version=v)
+            assert got == v, f"write at version={v} returned {got}"
+    else:
+        par = Parallelism(tp=1)
+        arena = gps.make_arena("big", [me], par)  # reused: reads overlap writes more often
+        cache: dict[int, dict] = {}
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                got, v = gps.read("big", [me], par, arena=arena)
+            except GPSError as exc:
+                failed.append(str(exc))
+                break
+            reads += 1
+            if v not in cache:
+                cache = {v: expected(BIG, par, 0, v)}  # keep one version's expectation
+            try:
+                same_bytes(got, cache[v], f"read reporting version {v}")
+            except AssertionError:
+                torn.append(v)
+            seen.add(v)
+            if v == final:
+                break
+    res = world.gather((me, reads, sorted(seen), gps.read_retries, failed, torn), root=0)
+    if me == 0:
+        readers = [r for r in res if r[0] not in writers]
+        print("parity readers (rank, reads, versions seen, retries, failed, torn):", readers)
+        bad = [r for r in readers if r[4] or r[5] or final not in r[2]]
+        assert not bad, f"failed/torn reads or final version {final} never seen: {bad}"
+    world.Barrier()
     gps.close()
 
 
@@ -316,6 +413,7 @@ SCENARIOS = {
     "concurrent": sc_concurrent,
     "errors": sc_errors,
     "recycle": sc_recycle,
+    "parity": sc_parity,
     "torch": sc_torch,
 }
 

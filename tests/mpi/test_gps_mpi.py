@@ -44,7 +44,7 @@ def run_world(n: int, *args: str, timeout: int = 120) -> str:
     return p.stdout
 
 
-ALL = ["read_matrix", "errors", "roundtrip", "recycle", "concurrent"]
+ALL = ["read_matrix", "errors", "roundtrip", "recycle", "concurrent", "parity"]
 
 
 def test_replicated_three_pseudo_nodes():
@@ -54,8 +54,18 @@ def test_replicated_three_pseudo_nodes():
 
 def test_grouped_sharding_two_nodes_remote_rma():
     # k=2 over 2 nodes: every node holds half of each tensor, half of each read is remote
-    out = run_world(6, "read_matrix", "roundtrip", "concurrent", "--pseudo", "3", "--group", "2")
+    out = run_world(6, "read_matrix", "roundtrip", "concurrent", "parity", "--pseudo", "3",
+                    "--group", "2")  # fmt: skip
     assert "layout k=2 nodes=2 via rma" in out
+
+
+def test_same_parity_writes_leave_the_read_slot_alone():
+    # issue 33: write(version=v) with v of the published version's parity (elastic
+    # optimizer state) must fill the other slot; Reads racing such writes never fail or
+    # tear. Half of every read and write is remote (k=2 over 2 nodes, two lanes).
+    out = run_world(4, "parity", "--pseudo", "2", "--group", "2", "--lanes", "2",
+                    "--min-lane-bytes", "256", timeout=90)  # fmt: skip
+    assert "parity readers" in out, out[-3000:]
 
 
 def lane_splits(out: str, scenario: str) -> int:
@@ -95,7 +105,7 @@ def test_real_nodes_comm_type_shared():
 
 @pytest.mark.skipif(not _nixl_importable(), reason="`import nixl` fails: pip install nixl")
 def test_nixl_remote_reads_and_writes():
-    out = run_world(4, "read_matrix", "roundtrip", "recycle", "concurrent",
+    out = run_world(4, "read_matrix", "roundtrip", "recycle", "concurrent", "parity",
                     "--pseudo", "2", "--group", "2", "--transport", "nixl",
                     "--min-lane-bytes", "256", timeout=180)  # fmt: skip
     assert "layout k=2 nodes=2 via nixl" in out

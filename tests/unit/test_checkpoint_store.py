@@ -182,7 +182,7 @@ def test_state_files_with_a_pickle_inside_are_data_errors(tmp_path: Path) -> Non
     assert (back["rng"][1][1] == state["rng"][1][1]).all()
 
 
-def test_dcp_metadata_scan_accepts_plain_data_and_refuses_code(tmp_path: Path) -> None:
+def test_dcp_metadata_allow_list_accepts_plain_data_and_refuses_code(tmp_path: Path) -> None:
     import pickle
 
     import torch
@@ -193,7 +193,7 @@ def test_dcp_metadata_scan_accepts_plain_data_and_refuses_code(tmp_path: Path) -
         TensorStorageMetadata,
     )
 
-    from pivot_hpc.checkpoint.pickle_scan import UnsafePickleError, check_metadata
+    from pivot_hpc.checkpoint.safe_pickle import UnsafePickleError, check_metadata
 
     md = Metadata(
         state_dict_metadata={
@@ -259,7 +259,19 @@ MALFORMED = {
         lambda p: (p / "manifest.json").write_bytes(b"\xff\xfe\x00"),
         "unreadable manifest.json",
     ),
+    "manifest nested deeply": (
+        lambda p: (p / "manifest.json").write_text("[" * 100_000 + "]" * 100_000),
+        "nested too deeply",
+    ),
     "no files": (edit_manifest(files=...), "lists no files"),
+    "file added afterwards": (
+        lambda p: (p / "policy" / "extra.metadata").write_bytes(b"x"),
+        "policy/extra.metadata is not in its manifest.json",
+    ),
+    "a link": (
+        lambda p: (p / "policy" / "passwd").symlink_to("/etc/passwd"),
+        "policy/passwd is a symbolic link",
+    ),
     "files is a list": (edit_manifest(files=["a"]), "lists no files"),
     "no step": (edit_manifest(step=...), "has step None"),
     "step is text": (edit_manifest(step="five"), "has step 'five'"),
@@ -272,6 +284,17 @@ MALFORMED = {
     "config not yaml": (edit_config(b"a: [\n"), "unreadable config.yaml"),
     "config not utf-8": (edit_config(b"\xff\xfe"), "unreadable config.yaml"),
     "config a list": (edit_config(b"- 1\n- 2\n"), "config.yaml holds a list"),
+    "config a billion laughs": (
+        edit_config(
+            b"a: &a [x, x, x, x, x, x, x, x, x]\n"
+            + b"".join(
+                f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n".encode()
+                for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+            )
+            + b"loop: {steps: *i}\n"
+        ),
+        "aliases",
+    ),
     "config of another shape": (edit_config(b"bogus: 1\n"), "different config"),
 }
 
@@ -286,3 +309,20 @@ def test_malformed_checkpoints_are_one_line_naming_the_file(
     assert main(["run", TINY, "--run-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err and "mpirun" not in err
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"t": {"__tensor__": "AAAA", "dtype": "float32", "shape": [7, 7]}}', "not a pivot"),
+        ('{"a": {"__ndarray__": "AAAA", "dtype": "<f4", "shape": [9]}}', "not a pivot"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ],
+)
+def test_malformed_state_files_are_one_line(tmp_path: Path, text: str, says: str) -> None:
+    from pivot_hpc.runtime.checkpointing import RL_STATE, load_state
+
+    (tmp_path / RL_STATE).write_text(text)
+    with pytest.raises(store.CheckpointError, match=says) as err:
+        load_state(tmp_path, RL_STATE)
+    assert len(str(err.value).splitlines()) == 1 and len(str(err.value)) < 400
