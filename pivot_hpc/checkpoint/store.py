@@ -247,9 +247,17 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'key: saved → current' for every key that differs and may not change on resume."""
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> list[str]:
+    """'key: saved → current' for every key that differs and may not change on resume.
+
+    `defaults` (every key at its default): a key the saved config lacks was added to
+    pivot_hpc after the checkpoint was written, so that run had its default; it differs
+    only if the current value is not the default."""
     a, b = _flatten(saved), _flatten(current)
+    for key, value in _flatten(defaults or {}).items():
+        a.setdefault(key, value)
     out = []
     for key in sorted(set(a) | set(b)):
         if any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):
@@ -259,8 +267,11 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return out
 
 
-def check_resumable(path: Path, current: dict[str, Any]) -> dict[str, Any]:
-    """Verify checkpoint `path` and that `current` (the new run's config) may resume it."""
+def check_resumable(
+    path: Path, current: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Verify checkpoint `path` and that `current` (the new run's config) may resume it
+    (`defaults`: see config_differences)."""
     manifest = verify(path)
     source = f"checkpoint {path}: config.yaml"
     try:  # aliases refused, sizes bounded: a 792-byte "billion laughs" must not hang this
@@ -276,7 +287,7 @@ def check_resumable(path: Path, current: dict[str, Any]) -> dict[str, Any]:
             f"mapping; delete {path} to resume from the previous checkpoint, or start a new "
             "--run-dir"
         )
-    diff = config_differences(saved, current)
+    diff = config_differences(saved, current, defaults)
     if diff:
         shown = "; ".join(diff[:8]) + (f"; … {len(diff) - 8} more" if len(diff) > 8 else "")
         raise CheckpointError(
@@ -290,7 +301,12 @@ def check_resumable(path: Path, current: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def find_resume(run_dir: str | Path, current: dict[str, Any], allowed: bool = True):
+def find_resume(
+    run_dir: str | Path,
+    current: dict[str, Any],
+    allowed: bool = True,
+    defaults: dict[str, Any] | None = None,
+):
     """(path, manifest) of the checkpoint to resume from, or None for a fresh run."""
     path = newest(run_dir)
     if path is None:
@@ -300,4 +316,4 @@ def find_resume(run_dir: str | Path, current: dict[str, Any], allowed: bool = Tr
             f"run directory {run_dir} already holds checkpoints (newest {path.name}) and "
             "checkpoint.resume=false: use a new --run-dir, or set checkpoint.resume=true"
         )
-    return path, check_resumable(path, current)
+    return path, check_resumable(path, current, defaults)

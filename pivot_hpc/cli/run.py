@@ -68,9 +68,11 @@ def run(args: argparse.Namespace) -> int:
             usable_problems(path, f"rl.data.{key}", Columns(data.prompt_key, data.answer_key))
     # A checkpoint to resume must be usable (complete, same config) before any rank starts.
     from pivot_hpc.checkpoint import store
-    from pivot_hpc.config import to_dict
+    from pivot_hpc.config import default_dict, to_dict
 
-    found = store.find_resume(run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume)
+    found = store.find_resume(
+        run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume, defaults=default_dict()
+    )
     if found is not None:
         print(
             f"pivot-hpc: {run_dir} has checkpoint {found[0].name} (step "

@@ -26,4 +26,18 @@ def load_config(
     return cfg
 
 
-__all__ = ["Config", "ConfigError", "from_dict", "load_config", "to_dict", "validate_tree"]
+def default_dict() -> dict:
+    """Every key at its default, as `to_dict` writes it (what a run that predates a key
+    ran with: resume compares a checkpoint's config against it for keys it lacks)."""
+    return to_dict(from_dict(Config, {}))
+
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "default_dict",
+    "from_dict",
+    "load_config",
+    "to_dict",
+    "validate_tree",
+]

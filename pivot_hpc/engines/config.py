@@ -31,6 +31,7 @@ SGLANG_OWNED_ARGS = frozenset(
         "port",
         "nccl_port",
         "dist_init_addr",
+        "watchdog_timeout",
     }
 )
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,6 +54,10 @@ class InferenceEngineConfig:
     # hf: where the model, its KV cache and GPS reads live; auto = the worker's GPU if it
     # has one (cluster binding: one GPU per worker), else CPU. sglang always runs on GPUs.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # hf: where the engine runs. in_rank = in the worker rank's own process; child = in a
+    # child process of the rank, the shape production engines have (the job's stop signals
+    # do not reach it, its death is the rank's to notice: engines/child_engine.py)
+    process: Literal["in_rank", "child"] = "in_rank"
     # A YAML file written by `pivot-hpc profile`; its fitted constants replace the role's
     # `throughput` section (see pivot_hpc.engines.profile.apply_profiles).
     throughput_profile: Path | None = None
@@ -73,6 +78,9 @@ class InferenceEngineConfig:
     stream_interval: int = 16  # tokens between progress reports (sequence lengths)
     poll_s: float = 0.005  # step() waits at most this long for a sequence to finish
     abort_timeout_s: float = 60.0  # an abort taking longer is an error
+    # SGLang's watchdog kills its scheduler when one forward batch takes longer than this;
+    # a large model's first batches and a paused weight update can (SGLang's default: 300)
+    watchdog_timeout_s: float = 1800.0
     # Extra SGLang ServerArgs (e.g. attention_backend, disable_cuda_graph, dtype); the
     # adapter owns the keys in SGLANG_OWNED_ARGS.
     server_args: dict[str, str | int | float | bool] = field(default_factory=dict)
@@ -101,7 +109,7 @@ class InferenceEngineConfig:
             fail(f"{path}.memory_reserve_gib", self.memory_reserve_gib, "must be >= 0")
         if not 1024 <= self.port_base <= 65535 - 16 * 64:
             fail(f"{path}.port_base", self.port_base, f"must be in [1024, {65535 - 16 * 64}]")
-        for name in ("poll_s", "abort_timeout_s", "idle_timeout_s"):
+        for name in ("poll_s", "abort_timeout_s", "idle_timeout_s", "watchdog_timeout_s"):
             if getattr(self, name) <= 0:
                 fail(f"{path}.{name}", getattr(self, name), "must be > 0")
         owned = sorted(set(self.server_args) & SGLANG_OWNED_ARGS)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pivot_hpc.engines import job_signals
 from pivot_hpc.engines.base import InferenceEngine
 from pivot_hpc.engines.config import InferenceEngineConfig
 from pivot_hpc.errors import PivotError
@@ -54,17 +55,20 @@ def make_inference_engine(
     from pivot_hpc.models.zoo import load_model
 
     device = resolve_device(ec.device, f"engines.{role}.device")
+    hf_args = {
+        "kv_capacity_tokens": rc.kv_capacity_tokens,
+        "max_batch": ec.max_batch,
+        "max_seq_len": ec.max_seq_len,
+        "prefill_chunk_tokens": ec.prefill_chunk_tokens,
+        "num_threads": ec.num_threads,  # 1 by default: one thread per worker (PLATFORM.md)
+        "seed": seed,
+    }
+    if ec.process == "child":
+        from pivot_hpc.engines.child_engine import ChildEngine
+
+        return ChildEngine(str(model_dir), hf_args, device)
     model, tok = load_model(model_dir)
-    return HFEngine(
-        model.to(device),
-        kv_capacity_tokens=rc.kv_capacity_tokens,
-        max_batch=ec.max_batch,
-        max_seq_len=ec.max_seq_len,
-        prefill_chunk_tokens=ec.prefill_chunk_tokens,
-        eos_token_id=tok.eos_token_id,
-        num_threads=ec.num_threads,  # 1 by default: one thread per worker (PLATFORM.md)
-        seed=seed,
-    )
+    return HFEngine(model.to(device), eos_token_id=tok.eos_token_id, **hf_args)
 
 
 def resolve_device(device: str, config_key: str) -> str:
@@ -126,6 +130,7 @@ def sglang_server_args(
         "port": port,
         "nccl_port": nccl_port,
         "dist_init_addr": f"127.0.0.1:{nccl_port}",  # a replica is on one node
+        "watchdog_timeout": ec.watchdog_timeout_s,
     }
     if mem_fraction_static is not None:
         args["mem_fraction_static"] = mem_fraction_static
@@ -178,7 +183,8 @@ def make_sglang_engine(
         ports=ports,
         mem_fraction_static=fraction,
     )
-    with launch.scoped_env(launch.launch_env(visible)):
+    # its scheduler and detokenizer children must outlive Slurm's step-wide USR1/TERM
+    with launch.scoped_env(launch.launch_env(visible)), job_signals.shielded():
         engine = api.engine_cls(**args)
     return SGLangEngine(
         engine,

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 
 from pivot_hpc.checkpoint import store
-from pivot_hpc.config import Config, to_dict
+from pivot_hpc.config import Config, default_dict, to_dict
 from pivot_hpc.data.arithmetic import problems
 from pivot_hpc.data.loaders import Columns, usable_problems
 from pivot_hpc.errors import PivotError
@@ -234,7 +234,9 @@ def _wait_for_stop(comm) -> int:
 
 def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
 
-    found = store.find_resume(run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume)
+    found = store.find_resume(
+        run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume, defaults=default_dict()
+    )
     if found is None:
         return None
     path, manifest = found

@@ -81,7 +81,7 @@ def test_server_args_and_protocol(make):
     assert sa["context_length"] == 128 and sa["mem_fraction_static"] == 0.6
     assert sa["chunked_prefill_size"] == 4096  # engines.<role>.prefill_chunk_tokens
     assert sa["dist_init_addr"] == f"127.0.0.1:{sa['nccl_port']}" and sa["port"] != sa["nccl_port"]
-    assert sa["disable_cuda_graph"] is True
+    assert sa["disable_cuda_graph"] is True and sa["watchdog_timeout"] == 1800.0
     assert eng.kv_capacity == 900 and eng.eos_ids == {EOS} and eng.weights_device == "cpu"
 
 

@@ -326,3 +326,19 @@ def test_malformed_state_files_are_one_line(tmp_path: Path, text: str, says: str
     with pytest.raises(store.CheckpointError, match=says) as err:
         load_state(tmp_path, RL_STATE)
     assert len(str(err.value).splitlines()) == 1 and len(str(err.value)) < 400
+
+
+def test_a_key_added_after_the_checkpoint_is_compared_with_its_default(tmp_path: Path) -> None:
+    """A checkpoint written before a config key existed ran with the key's default: an
+    upgrade of pivot_hpc between allocations resumes, a changed value is still refused."""
+    from pivot_hpc.config import default_dict
+
+    saved = tiny_config()
+    del saved["engines"]["rollout"]["process"]  # as written by a pivot_hpc without the key
+    write_ckpt(tmp_path, saved, 5)
+    found = store.find_resume(tmp_path, tiny_config(), defaults=default_dict())
+    assert found is not None and found[1]["step"] == 5
+    with pytest.raises(store.CheckpointError, match="engines.rollout.process: 'in_rank' → 'child'"):
+        store.find_resume(
+            tmp_path, tiny_config("engines.rollout.process=child"), defaults=default_dict()
+        )
