@@ -192,3 +192,34 @@ def test_kill_9_at_random_moments_always_resumes_from_a_complete_checkpoint(
     ids = np.concatenate([last[s]["sample_id"] for s in range(steps)])
     assert len(np.unique(ids)) == len(ids) == steps * 8
     assert not any(p.name.startswith(".") for p in store.checkpoints_dir(run_dir).iterdir())
+
+
+@pytest.mark.timeout(900)
+def test_a_signal_to_every_process_of_the_job_spares_engine_children(tmp_path: Path) -> None:
+    """Slurm signals every process of a step, engine processes included: with the engines
+    in child processes of their ranks, a USR1 to the whole session checkpoints and exits 3
+    (no engine died of it), and the same command resumes and finishes."""
+    children = ("engines.rollout.process=child", "engines.reward.process=child")
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    proc = start(run_dir, log, *BASE, *children, delay_s=0.1)
+    wait_for(log, "step 1/4", proc, timeout=300)
+    engines = subprocess.run(
+        ["pgrep", "-s", str(proc.pid), "-f", "pivot_hpc.engines.child_engine"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert len(engines) >= 2, log.read_text()[-2000:]  # every worker of a role has one
+    time.sleep(1.0)
+    subprocess.run(["pkill", "-USR1", "-s", str(proc.pid)], check=False)
+    assert proc.wait(timeout=300) == 3, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "stopped by SIGUSR1" in text and "engine process" not in text, text[-3000:]
+    (ckpt,) = store.complete(run_dir)
+    assert store.verify(ckpt)["reason"] == "SIGUSR1"
+    out = run(run_dir, *BASE, *children)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"resuming from {ckpt}" in out.stdout and "pivot-hpc: done: 4 steps" in out.stdout
+    leftover = subprocess.run(
+        ["pgrep", "-f", "pivot_hpc.engines.child_engine"], capture_output=True
+    )
+    assert not set(leftover.stdout.decode().split()) & set(engines)  # none outlived its rank
