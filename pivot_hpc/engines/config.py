@@ -35,14 +35,42 @@ SGLANG_OWNED_ARGS = frozenset(
     }
 )
 DEVICES = ("auto", "cpu", "cuda")
+# EngineArgs the vllm adapter sets itself (pivot_hpc.engines.vllm_launch): token ids in and
+# out, the KV cache sized from the role's kv_capacity_tokens, logprobs in the contract's
+# sense, one process (the worker rank's), and the shared keys above.
+VLLM_OWNED_ARGS = frozenset(
+    {
+        "model",
+        "skip_tokenizer_init",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_memory_bytes",
+        "num_gpu_blocks_override",
+        "logprobs_mode",
+        "seed",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "distributed_executor_backend",
+        "enable_sleep_mode",
+        "disable_log_stats",
+    }
+)
 
 
 @dataclass(kw_only=True)
 class InferenceEngineConfig:
     """`hf` = the embedded continuous-batching engine (CPU, or the worker's GPU);
-    `sglang` = the GPU production engine."""
+    `sglang` = the GPU production engine; `vllm` = vLLM 0.32 in the worker rank's process
+    (CPU build or CUDA build, pivot_hpc.engines.vllm_engine; docs/engines.md).
 
-    engine: Literal["hf", "sglang"] = "hf"  # which engine serves the role
+    The shared keys reach vLLM as: max_batch → max_num_seqs, max_seq_len → max_model_len,
+    prefill_chunk_tokens → max_num_batched_tokens, the role's kv_capacity_tokens → the KV
+    cache's size, num_threads → the worker's torch threads, seed → per-request sampling
+    seeds, device → must match the platform of the installed vLLM build."""
+
+    engine: Literal["hf", "sglang", "vllm"] = "hf"  # which engine serves the role
     max_batch: int = 256  # running sequences at most (KV slots)
     max_seq_len: int | None = None  # None = the model's max_position_embeddings
     # padded tokens prefilled per engine step (hf: one prefill forward per step; sglang:
@@ -78,12 +106,24 @@ class InferenceEngineConfig:
     stream_interval: int = 16  # tokens between progress reports (sequence lengths)
     poll_s: float = 0.005  # step() waits at most this long for a sequence to finish
     abort_timeout_s: float = 60.0  # an abort taking longer is an error
+    # How a weight update pauses running requests. retract: SGLang drains the batch in
+    # flight and retracts them (tokens kept, prefilled again under the new weights), so no
+    # decode step reads weights mid-update; in_place: keeps their KV cache, safe only with
+    # server_args.disable_overlap_schedule: true (the overlap scheduler's in-flight step
+    # would read weights while they are overwritten)
+    pause_mode: Literal["retract", "in_place"] = "retract"
     # SGLang's watchdog kills its scheduler when one forward batch takes longer than this;
     # a large model's first batches and a paused weight update can (SGLang's default: 300)
     watchdog_timeout_s: float = 1800.0
     # Extra SGLang ServerArgs (e.g. attention_backend, disable_cuda_graph, dtype); the
     # adapter owns the keys in SGLANG_OWNED_ARGS.
     server_args: dict[str, str | int | float | bool] = field(default_factory=dict)
+    # --- `vllm` only (pivot_hpc.engines.vllm_engine) ---
+    # Extra vLLM EngineArgs (e.g. dtype, block_size, enable_prefix_caching, enforce_eager,
+    # gpu_memory_utilization); the adapter owns the keys in VLLM_OWNED_ARGS. Unset, dtype is
+    # the model directory's, block_size 32 on CPU (the smallest its attention supports, so
+    # the KV cache is counted in tokens nearly as the scheduler counts it), eager mode.
+    vllm_args: dict[str, str | int | float | bool] = field(default_factory=dict)
 
     def validate(self, path: str) -> None:
         if self.max_batch < 1:
@@ -112,6 +152,25 @@ class InferenceEngineConfig:
         for name in ("poll_s", "abort_timeout_s", "idle_timeout_s", "watchdog_timeout_s"):
             if getattr(self, name) <= 0:
                 fail(f"{path}.{name}", getattr(self, name), "must be > 0")
+        if (
+            self.pause_mode == "in_place"
+            and self.server_args.get("disable_overlap_schedule") is not True
+        ):
+            fail(
+                f"{path}.pause_mode",
+                self.pause_mode,
+                "with SGLang's overlap scheduler an in-place pause lets a decode step read "
+                "weights mid-update; set server_args.disable_overlap_schedule: true, or use "
+                "pause_mode: retract",
+            )
+        vllm_owned = sorted(set(self.vllm_args) & VLLM_OWNED_ARGS)
+        if vllm_owned:
+            fail(
+                f"{path}.vllm_args",
+                self.vllm_args,
+                f"{vllm_owned} are set by the vllm adapter (from kv_capacity_tokens, max_batch, "
+                "max_seq_len, prefill_chunk_tokens, seed and tp); remove them",
+            )
         owned = sorted(set(self.server_args) & SGLANG_OWNED_ARGS)
         if owned:
             fail(

@@ -198,6 +198,7 @@ def make_sglang_engine(
         poll_s=ec.poll_s,
         abort_timeout_s=ec.abort_timeout_s,
         idle_timeout_s=ec.idle_timeout_s,
+        pause_mode=ec.pause_mode,
         config_key=key,
         reclaim_signals=reclaim_signals,
     )

@@ -47,9 +47,14 @@ release's source (paths under python/sglang/srt/):
   which must hold the largest one. The version is also given to SGLang
   (`tokenizer_manager.update_weight_version`, shown as meta_info["weight_version"]), but
   SeqResult.version comes from the adapter: SGLang keeps that field in process-wide
-  config. With requests running, the update pauses the scheduler in place
-  (`pause_generation(mode="in_place")` ... `continue_generation`), so the running
-  sequences keep their KV cache and continue under the new weights, as in the `hf` engine.
+  config. With requests running, the update pauses the scheduler
+  (`pause_generation(mode=engines.<role>.pause_mode)` ... `continue_generation`).
+  `retract` (the default) drains the batch in flight and retracts the running requests:
+  with SGLang's overlap scheduler an in-place pause leaves the last launched decode step
+  running while the weights are overwritten (one torn step per update); retracted
+  requests keep their tokens and are prefilled again under the new weights. `in_place`
+  keeps their KV cache (no re-prefill) and is accepted only with
+  `server_args.disable_overlap_schedule: true`.
   The prefix cache from the old weights is flushed once the engine is idle.
 - Stats: `tokenizer_manager.get_loads()` returns the LoadSnapshot the scheduler publishes for
   /v1/loads (num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens,
@@ -203,6 +208,7 @@ class SGLangEngine:
         poll_s: float = 0.005,
         abort_timeout_s: float = 60.0,
         idle_timeout_s: float = 60.0,
+        pause_mode: str = "retract",
         config_key: str = "engines.<role>",
         shm_dir: str | Path = "/dev/shm",
         reclaim_signals: Callable[[], object] | None = None,
@@ -219,6 +225,7 @@ class SGLangEngine:
         self.poll_s = poll_s
         self.abort_timeout_s = abort_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.pause_mode = pause_mode  # how a weight update pauses running requests
         self.config_key = config_key
         self.shm_dir = Path(shm_dir)
         self.weights_device = "cpu"  # buckets go to SGLang through host shared memory
@@ -419,7 +426,7 @@ class SGLangEngine:
 
     def load_weights(self, tensors: Tensors, version: int) -> None:
         """Send canonical HF tensors to SGLang in flattened buckets; later tokens record
-        `version`. Running sequences are paused in place and continue afterwards."""
+        `version`. Running sequences are paused (pause_mode) and continue afterwards."""
         if WEIGHTS in self._released:
             raise RuntimeError("load_weights: call resume_memory() first")
         plan = plan_buckets(tensors, self.weight_bucket_bytes)
@@ -428,7 +435,7 @@ class SGLangEngine:
         running = any(r.result is None for r in self._reqs.values())
         tm = self.engine.tokenizer_manager
         if running:
-            self._run(tm.pause_generation(self.api.pause_req(mode="in_place")))
+            self._run(tm.pause_generation(self.api.pause_req(mode=self.pause_mode)))
         try:
             self._check("begin_weight_update", self.engine.begin_weight_update())
             try:

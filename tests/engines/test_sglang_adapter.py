@@ -370,7 +370,7 @@ def test_load_weights_while_sequences_run(make):
     fake.calls.clear()
     eng.load_weights(weights(1), 2)
     names = [c[0] for c in fake.calls]
-    assert fake.calls[0] == ("pause", "in_place")
+    assert fake.calls[0] == ("pause", "retract")  # drains the overlap scheduler's step
     assert names.index("end") < names.index("weight_version") < names.index("continue")
     assert all(c[1] is False for c in fake.calls if c[0] == "update")  # no flush while running
     fake.credit = None
@@ -443,6 +443,13 @@ def test_config_validation():
         InferenceEngineConfig(idle_timeout_s=0).validate("engines.reward")
     with pytest.raises(ConfigError, match="port_base"):
         InferenceEngineConfig(port_base=80).validate("engines.rollout")
+    with pytest.raises(ConfigError, match="disable_overlap_schedule"):  # a torn step
+        InferenceEngineConfig(pause_mode="in_place").validate("engines.rollout")
+    InferenceEngineConfig(
+        pause_mode="in_place", server_args={"disable_overlap_schedule": True}
+    ).validate("engines.rollout")
+    with pytest.raises(ConfigError, match="watchdog_timeout_s"):
+        InferenceEngineConfig(watchdog_timeout_s=0).validate("engines.rollout")
     with pytest.raises(ConfigError, match=r"engines\.rollout\.device"):
         load_config(None, ["engines.rollout.device=gpu"])
     both = EnginesConfig(
