@@ -18,9 +18,12 @@ READ ran at 2.6 GB/s; passive, at 6.5 GB/s. A fabric without one-sided RDMA (TCP
 needs the target to progress: set gps.nixl_progress_thread=true there. A transfer that
 does not finish within gps.transfer_timeout_s fails with an error that says so.
 
-UCX_MODULES=^ib is set before the first agent: NIXL's bundled libnl and Debian's
-libibverbs providers otherwise crash every process at exit (PLATFORM.md). The first
-transfer to a peer pays UCX wire-up (~1 s here); later ones do not.
+UCX_MODULES is left to the site: on a cluster it must keep InfiniBand (`^ib` there turns
+RDMA off and passive NIXL reads over TCP stall). Where NIXL's bundled libnl and Debian's
+libibverbs providers crash every process at exit (CPU machines like CI's, PLATFORM.md),
+the launchers of local and CPU-only worlds set `UCX_MODULES=^ib` themselves
+(cli/local_world.py, slurm/pivot.sbatch, `pivot-hpc submit`). The first transfer to a
+peer pays UCX wire-up (~1 s here); later ones do not.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from pivot_hpc.gps.catalog import GPSError
 from pivot_hpc.gps.transport import Arena, Batch, Lanes
 
 # Before nixl is first imported, whoever imports it (its log level is read at import).
-os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # one INFO line per agent and rank otherwise
 # UCX's single-copy (CMA) transport moves one segment per progress call; with its 512 KiB
 # default a 256 MiB READ ran at ~2 GB/s here, with 8 MiB segments at ~6.6 GB/s.

@@ -39,3 +39,19 @@ def test_bad_gps_values_name_the_key(override, text):
 def test_link_override_outside_the_world_is_rejected():
     with pytest.raises(ValueError, match="node outside 0..1"):
         LinkModel.from_config(GPSConfig(link_bandwidth_gbps={"5->0": 1.0}), 2)
+
+
+def test_importing_the_nixl_transport_leaves_ucx_to_the_site() -> None:
+    """UCX_MODULES=^ib would turn InfiniBand off on a cluster: only the launchers of local
+    and CPU-only worlds set it (local_world.MPI_ENV, slurm/pivot.sbatch)."""
+    import os
+    import subprocess
+    import sys
+
+    from pivot_hpc.cli.local_world import MPI_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    code = "import os, pivot_hpc.gps.transport_nixl; print(os.environ.get('UCX_MODULES'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "None", out.stderr[-2000:]
+    assert MPI_ENV["UCX_MODULES"] == "^ib"
