@@ -72,7 +72,7 @@ class MegatronTrainEngine:
         if self.grpo.loss_agg_mode == "seq-mean-token-sum-norm" and not max_response_tokens:
             raise ValueError("seq-mean-token-sum-norm needs max_response_tokens (its constant)")
         self.max_response_tokens = max_response_tokens
-        init_distributed(self.cfg.tp, seed=self.cfg.seed)
+        init_distributed(self.cfg.tp, seed=self.cfg.seed, timeout_s=self.cfg.collective_timeout_s)
         self.dtype = self.cfg.resolved_dtype(cuda=torch.cuda.is_available())
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()

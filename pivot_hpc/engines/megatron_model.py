@@ -50,8 +50,12 @@ def init_distributed(
     init_method: str | None = None,
     seed: int = 0,
     device: int | None = None,
+    timeout_s: float = 1800.0,
 ) -> None:
     """Join (or create) the torch.distributed world and megatron's model-parallel groups.
+
+    `timeout_s` (rl.trainer.collective_timeout_s): how long a collective waits for the
+    other training ranks, e.g. at a checkpoint barrier while they finish inference.
 
     Without arguments and outside any launcher this makes a 1-process world (gloo on CPU,
     NCCL on a GPU), so a single process (tests, SFT warm-up, the embedded loop) runs real
@@ -82,7 +86,7 @@ def init_distributed(
             init_method=init_method,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     if parallel_state.model_parallel_is_initialized():
         have = parallel_state.get_tensor_model_parallel_world_size()

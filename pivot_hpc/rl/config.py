@@ -114,12 +114,37 @@ class TrainerConfig:
     # (fp32 master weights and Adam moments in the optimizer), fp32 on CPU (bit-exact
     # against the HF model, what the CPU tests compare).
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    # How long a torch.distributed collective among training ranks waits for the others
+    # before failing: a checkpoint's barrier can wait while they finish inference, minutes
+    # on a large model (the former fixed 120 s failed such saves)
+    collective_timeout_s: float = 1800.0
+    # Memory knobs. `pivot-hpc plan` (docs/plan.md) sizes training's GPU memory for the
+    # values set here and the launchers refuse a config that does not fit; the Megatron
+    # engine today runs the defaults whatever is set (the others need the SDPA layer spec
+    # and megatron's distributed optimizer in pivot_hpc/engines).
+    # Attention: "local" = megatron's local layer spec (unfused: materialises the
+    # [heads, s, s] scores, ~6 B x heads x s^2 per layer kept for backward); "sdpa" = a fused
+    # kernel (flash / scaled_dot_product_attention) that never materialises them.
+    attention: Literal["local", "sdpa"] = "local"
+    # Shard the optimizer state (fp32 master weights + Adam moments, 12 B/param) over the
+    # data-parallel ranks (megatron's distributed optimizer); false = a full copy per rank.
+    distributed_optimizer: bool = False
+    # Activation recompute: "none" keeps every layer's activations for backward;
+    # "selective" recomputes core attention (drops the local spec's scores); "full" keeps
+    # only each layer's input and re-runs the layer in backward (one more forward).
+    recompute: Literal["none", "selective", "full"] = "none"
 
     def validate(self, path: str) -> None:
         if self.dtype not in ("auto", "bf16", "fp32"):
             fail(f"{path}.dtype", self.dtype, "valid choices: 'auto', 'bf16', 'fp32'")
+        if self.attention not in ("local", "sdpa"):
+            fail(f"{path}.attention", self.attention, "valid choices: 'local', 'sdpa'")
+        if self.recompute not in ("none", "selective", "full"):
+            fail(f"{path}.recompute", self.recompute, "valid choices: 'none', 'selective', 'full'")
         if self.tp < 1:
             fail(f"{path}.tp", self.tp, "must be >= 1")
+        if not math.isfinite(self.collective_timeout_s) or self.collective_timeout_s <= 0:
+            fail(f"{path}.collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
         if not math.isfinite(self.lr) or self.lr <= 0:
             fail(f"{path}.lr", self.lr, "learning rate must be > 0")
         if self.micro_batch_size < 1:

@@ -139,3 +139,15 @@ def test_bad_override_value_is_one_line() -> None:
     with pytest.raises(ConfigError, match=r"'loop.steps=\[1'.*not valid YAML.*column 3") as info:
         load_config(None, ["loop.steps=[1"])
     assert "\n" not in str(info.value)
+
+
+def test_cluster_timeouts_are_config_keys_with_checkpoint_sized_defaults() -> None:
+    """A checkpoint barrier among training ranks (and SGLang's watchdog during a large
+    model's start or a paused update) can take minutes: both are keys, not constants."""
+    from pivot_hpc.config import load_config
+
+    cfg = load_config(None)
+    assert cfg.rl.trainer.collective_timeout_s >= 600
+    assert cfg.engines.rollout.watchdog_timeout_s >= 600
+    with pytest.raises(ConfigError, match="rl.trainer.collective_timeout_s"):
+        load_config(None, ["rl.trainer.collective_timeout_s=0"])
