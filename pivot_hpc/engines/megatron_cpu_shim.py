@@ -7,6 +7,10 @@ nothing. What it changes, and why:
 - `torch.cuda.synchronize` → no-op: called by checkpoint save; raises without CUDA.
 - RNG tracker: megatron's `model_parallel_cuda_manual_seed` asserts on CPU; an inference
   tracker (fork = nullcontext) is enough because the tiny models use no dropout.
+- CUDA RNG state get/set in `tensor_parallel.random` → an empty state / no-op: activation
+  recompute (`tensor_parallel.checkpoint`, rl.trainer.recompute) saves and restores every
+  RNG around a recomputed block; on CPU only torch's own (CPU) state exists, which it
+  still saves and restores.
 Everything else that megatron needs on CPU is an argument, not a patch: the local layer
 spec, `use_cpu_initialization=True`, an explicit causal mask, a plain torch optimizer.
 """
@@ -33,6 +37,10 @@ def apply() -> bool:
         return True
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
     _applied = True
     reset_rng_tracker()
     return True

@@ -83,7 +83,13 @@ class MegatronTrainEngine:
         self._explicit_dp = False  # use_data_parallel: our group, our gradient reduction
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed)
-            gpt = build_gpt_model(model_cfg, self.tp, self.dtype)
+            gpt = build_gpt_model(
+                model_cfg,
+                self.tp,
+                self.dtype,
+                attention=self.cfg.attention,
+                recompute=self.cfg.recompute,
+            )
         self.model = DistributedDataParallel(
             config=gpt.config,
             ddp_config=DistributedDataParallelConfig(

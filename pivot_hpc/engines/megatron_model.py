@@ -107,11 +107,29 @@ def init_distributed(
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def transformer_config(cfg: ModelConfig, tp: int, dtype: str = "fp32"):
+def _recompute_args(recompute: str) -> dict:
+    """megatron's activation recompute for rl.trainer.recompute: "selective" recomputes
+    core attention in backward, "full" keeps only each layer's input (one layer per
+    checkpoint) and runs the layer again in backward."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    raise ValueError(f"recompute={recompute!r}: valid: 'none', 'selective', 'full'")
+
+
+def transformer_config(cfg: ModelConfig, tp: int, dtype: str = "fp32", recompute: str = "none"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = megatron_cpu_shim.needed()
     return TransformerConfig(
+        **_recompute_args(recompute),
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.intermediate_size,
@@ -141,21 +159,37 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: str = "fp32"):
     )
 
 
-def build_gpt_model(cfg: ModelConfig, tp: int = 1, dtype: str = "fp32"):
+def build_gpt_model(
+    cfg: ModelConfig,
+    tp: int = 1,
+    dtype: str = "fp32",
+    *,
+    attention: str = "local",
+    recompute: str = "none",
+):
     """A GPTModel for this rank's tensor-parallel shard (call `init_distributed` first).
 
     On a GPU the weights are initialised on the current CUDA device (megatron's GPU init,
     seeded by `init_distributed`); on CPU with `use_cpu_initialization`. `dtype` "bf16"
-    makes every parameter bf16 (what megatron's Float16Module does to a model)."""
+    makes every parameter bf16 (what megatron's Float16Module does to a model).
+    `attention` "sdpa" replaces the local spec's unfused core attention (sdpa_attention.py);
+    `recompute` is rl.trainer.recompute."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if dtype not in DTYPES:
         raise ValueError(f"build_gpt_model: dtype={dtype!r}; valid: {sorted(DTYPES)}")
-    tcfg = transformer_config(cfg, tp, dtype)
+    tcfg = transformer_config(cfg, tp, dtype, recompute)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        from pivot_hpc.engines.sdpa_attention import sdpa_layer_spec
+
+        spec = sdpa_layer_spec(spec)
+    elif attention != "local":
+        raise ValueError(f"build_gpt_model: attention={attention!r}; valid: 'local', 'sdpa'")
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=True,

@@ -45,7 +45,7 @@ def main() -> None:
     e.load_weights(canonical)
     ids = torch.randint(3, 99, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ref = hf(ids).logits.float()
+        ref = ref_logits = hf(ids).logits.float()
     res["logits_max_diff"] = (e.forward_logits(ids) - ref).abs().max().item()
     exported = e.export_weights()
     res["export_bitwise"] = all(torch.equal(exported[k], v) for k, v in canonical.items())
@@ -86,6 +86,31 @@ def main() -> None:
     res["tis_same_step"] = all(
         torch.equal(a, b) for a, b in zip(tis.params, ref.params, strict=True)
     )
+    # rl.trainer.attention=sdpa and rl.trainer.recompute: the same function as the local
+    # spec (logits, and the step a GRPO update takes), in less memory on a GPU
+    for attention, recompute in (("sdpa", "none"), ("local", "selective"), ("sdpa", "full")):
+        variant = MegatronTrainEngine(
+            arch,
+            TrainerConfig(
+                tp=tp,
+                lr=1e-3,
+                grad_clip=1.0,
+                micro_batch_size=3,
+                attention=attention,
+                recompute=recompute,
+            ),
+            GRPOConfig(),
+            max_response_tokens=8,
+        )
+        variant.load_weights(canonical)
+        name = f"{attention}_{recompute}"
+        res[f"{name}_logits_max_diff"] = (
+            (variant.forward_logits(ids) - ref_logits).abs().max().item()
+        )
+        variant.train_step(batch)
+        res[f"{name}_step_max_diff"] = max(
+            (a - b).abs().max().item() for a, b in zip(variant.params, ref.params, strict=True)
+        )
     noisy = [[x + 0.5 * (-1) ** t for t, x in enumerate(lp)] for lp in lps]
     masked = grpo_engine(recompute_old_logprobs=True, rollout_is="mask", rollout_is_threshold=1.5)
     res["mis_metrics"] = masked.train_step(
