@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "report": ("pivot_hpc.cli.report", "summarise a run directory's telemetry"),
     "config": ("pivot_hpc.cli.config", "show a resolved config with every key's documentation"),
+    "plan": ("pivot_hpc.cli.plan", "will it fit: memory per GPU and role, host memory per node"),
     "trace": ("pivot_hpc.cli.trace", "write a run's telemetry as a Perfetto/Chrome trace"),
     "submit": ("pivot_hpc.cli.submit", "submit the main job to Slurm (submitit; requeues itself)"),
 }

@@ -27,6 +27,13 @@ class ClusterConfig:
 
     nodes: int = 1  # nodes of the allocation (one MPI host rank each)
     gpus_per_node: int = 4  # GPUs per node (on CPU: worker processes per node)
+    # The GPU model of the nodes (the catalog's names: `pivot-hpc calibration`). When set,
+    # `pivot-hpc run`/`submit` check the memory plan (`pivot-hpc plan`) before launch and
+    # refuse a config that does not fit; None = not checked (CPU runs).
+    gpu: Literal["h20", "h100", "h200"] | None = None
+    # Memory of one GPU, GiB, for a GPU the catalog does not list (or to override its
+    # size); 0 = the catalog's size of cluster.gpu. Set either to check the plan.
+    gpu_memory_gib: float = 0.0
 
     # Sanity caps, far above any machine (the largest nodes hold 8-16 GPUs; the simulator's
     # biggest runs are a few thousand GPUs): a typo like 10000000 fails here, in `config
@@ -37,6 +44,12 @@ class ClusterConfig:
     def validate(self, path: str) -> None:
         if self.nodes < 1:
             fail(f"{path}.nodes", self.nodes, "need at least 1 node")
+        if not math.isfinite(self.gpu_memory_gib) or not 0 <= self.gpu_memory_gib <= 4096:
+            fail(
+                f"{path}.gpu_memory_gib",
+                self.gpu_memory_gib,
+                "GiB of one GPU: in [0, 4096] (0 = the catalog's size of cluster.gpu)",
+            )
         if self.nodes > self.MAX_NODES:
             fail(f"{path}.nodes", self.nodes, f"at most {self.MAX_NODES} nodes")
         if self.gpus_per_node < 1:

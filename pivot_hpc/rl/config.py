@@ -119,9 +119,9 @@ class TrainerConfig:
     # on a large model (the former fixed 120 s failed such saves)
     collective_timeout_s: float = 1800.0
     # Memory knobs. `pivot-hpc plan` (docs/plan.md) sizes training's GPU memory for the
-    # values set here and the launchers refuse a config that does not fit; the Megatron
-    # engine today runs the defaults whatever is set (the others need the SDPA layer spec
-    # and megatron's distributed optimizer in pivot_hpc/engines).
+    # values set here and the launchers refuse a config that does not fit. The Megatron
+    # engine runs `attention` and `recompute` as set; `distributed_optimizer: true` is
+    # refused by a live run until the engine shards its optimizer (runtime/world.py).
     # Attention: "local" = megatron's local layer spec (unfused: materialises the
     # [heads, s, s] scores, ~6 B x heads x s^2 per layer kept for backward); "sdpa" = a fused
     # kernel (flash / scaled_dot_product_attention) that never materialises them.

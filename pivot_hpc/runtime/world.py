@@ -83,6 +83,16 @@ def check_live_config(cfg: Config) -> None:
                 f"replica on one device; use {role}.tp=1, or engines.{role}.engine=sglang "
                 "for tensor-parallel replicas"
             )
+    if cfg.rl.trainer.distributed_optimizer:
+        # the plan (pivot-hpc plan) sizes it; the training engine does not shard yet, and a
+        # run that silently kept a full optimizer copy per GPU would run out of memory
+        raise LayoutError(
+            "rl.trainer.distributed_optimizer=true: pivot_hpc's Megatron training engine "
+            "keeps a full optimizer state per GPU (the sharded optimizer is not built yet); "
+            "set rl.trainer.distributed_optimizer=false and check `pivot-hpc plan` for what "
+            "then fits"
+        )
+    check_vllm_roles(cfg)
     from pivot_hpc.rl.grpo import resolve_loss
 
     resolve_loss(cfg.rl.grpo.loss_fn)  # importable here; every rank imports it again
@@ -92,6 +102,36 @@ def check_live_config(cfg: Config) -> None:
             f"training.num_gpus={n_train} is not a multiple of rl.trainer.tp="
             f"{cfg.rl.trainer.tp}: training runs tp-way tensor parallelism × "
             "num_gpus/tp-way data parallelism; make num_gpus a multiple of tp"
+        )
+
+
+def check_vllm_roles(cfg: Config) -> None:
+    """`engines.<role>.engine: vllm` runs vLLM in the worker rank's process
+    (engines/vllm_launch.py): installed, on one device, and beside a torch.distributed
+    world of one rank (vLLM builds its groups over the whole default group)."""
+    roles = [r for r in ("rollout", "reward") if getattr(cfg.engines, r).engine == "vllm"]
+    if not roles:
+        return
+    from pivot_hpc.engines.vllm_launch import check_installed
+    from pivot_hpc.runtime.elastic import TrainingWorld
+
+    for role in roles:
+        check_installed(f"engines.{role}.engine")
+        tp = getattr(cfg, role).tp
+        if tp > 1:
+            raise LayoutError(
+                f"{role}.tp={tp} with engines.{role}.engine=vllm: the vllm engine runs in the "
+                f"worker rank's process on its one device; use {role}.tp=1, or "
+                f"engines.{role}.engine=sglang for tensor-parallel replicas"
+            )
+    world = len(TrainingWorld.of(cfg, lambda gpu: gpu).ranks)
+    if world > 1:
+        raise LayoutError(
+            f"engines.{roles[0]}.engine=vllm with a training world of {world} ranks "
+            f"(training.num_gpus={len(cfg.training_gpus())}, planner.elastic_training="
+            f"{cfg.planner.elastic_training}): vLLM in a worker's process joins that "
+            "rank's torch.distributed group and would wait for every training rank; use one "
+            "training GPU without elastic training, or engine hf/sglang (docs/engines.md)"
         )
 
 
