@@ -29,13 +29,26 @@ checks for every engine:
         cannot export it, e.g. SGLang samples in its scheduler process).
     close()                        free everything; the engine is unusable afterwards.
 
-TrainEngine — the training role:
+TrainEngine — the training role; the whole contract the worker and elastic training
+(runtime/worker.py, runtime/elastic.py) use, built by `engines.train_factory` from
+`rl.trainer.engine`, checked by tests/unit/test_train_engine_contract.py (the runtime calls
+nothing else) and tests/engines/test_megatron_engine.py (the engine has all of it):
     load_weights(tensors)          canonical HF tensors → this rank's shard.
     train_step(batch) -> metrics   one optimizer step on a TrainBatch (GRPO or SFT loss).
     compute_logprobs(batch)        per-token logprobs of the responses under the current weights.
     export_weights() -> tensors    canonical HF tensors (gathered over tensor parallelism).
-    offload_optimizer() / reload_optimizer()   optimizer state to host memory and back.
-    save(dir) / load(dir)          Megatron distributed checkpoint (model + optimizer).
+    offload_optimizer() / reload_optimizer() / optimizer_offloaded   optimizer state to host
+        memory and back (a shift down keeps it: offloadable context).
+    discard_optimizer()            drop it (a replica that leaves elastic training).
+    release_memory() / resume_memory() / memory_released   parameters and gradient
+        buffers off the device and back (contents come back through load_weights).
+    use_data_parallel(group, size, rank) / dp / dp_rank   the data-parallel set of the
+        next steps (elastic training: groups formed once per member set).
+    optimizer_kinds() / optimizer_state() / load_optimizer_state(state, step, version) /
+        optimizer_step   the optimizer state as canonical tensors, for GPS (a joining
+        replica reads it there).
+    save(dir) / load(dir)          distributed checkpoint (model + optimizer).
+    version, steps, device         weights version, steps taken, where the model lives.
 """
 
 from __future__ import annotations
@@ -182,7 +195,11 @@ class TrainBatch:
 
 @runtime_checkable
 class TrainEngine(Protocol):
-    version: int
+    version: int  # weights version (the policy version its weights are)
+    steps: int  # optimizer steps taken
+    device: Any  # torch.device the model lives on
+    dp: int  # data-parallel size of the current step set
+    dp_rank: int
 
     def load_weights(self, tensors: Tensors) -> None: ...
 
@@ -195,6 +212,31 @@ class TrainEngine(Protocol):
     def offload_optimizer(self) -> None: ...
 
     def reload_optimizer(self) -> None: ...
+
+    @property
+    def optimizer_offloaded(self) -> bool: ...
+
+    def discard_optimizer(self) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+    @property
+    def memory_released(self) -> bool: ...
+
+    def use_data_parallel(self, group: Any, size: int, rank: int) -> None: ...
+
+    def optimizer_kinds(self) -> tuple[str, ...]: ...
+
+    def optimizer_state(self) -> dict[str, Tensors]: ...
+
+    def load_optimizer_state(
+        self, state: dict[str, Tensors], *, step: int, version: int
+    ) -> None: ...
+
+    @property
+    def optimizer_step(self) -> int: ...
 
     def save(self, path: str | Path) -> None: ...
 

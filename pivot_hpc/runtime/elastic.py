@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pivot_hpc.config import Config
+from pivot_hpc.engines.base import TrainEngine
 from pivot_hpc.gps import ModelSpec, Parallelism
 from pivot_hpc.planner.snapshot import extension_slots
 
@@ -133,7 +134,7 @@ class StepGroups:
             ) from None
 
 
-def publish_optimizer(gps, trainer, rank: int, writer: int, version: int) -> None:
+def publish_optimizer(gps, trainer: TrainEngine, rank: int, writer: int, version: int) -> None:
     """Write the trainer's optimizer state to GPS at policy `version`. Called on the ranks
     of the training set's first replica (they gather over tensor parallelism together);
     `writer`, the first of them, writes."""
@@ -155,7 +156,9 @@ def publish_optimizer(gps, trainer, rank: int, writer: int, version: int) -> Non
         gps.write(model, [rank], TP1, shards, version=version)
 
 
-def read_optimizer(gps, trainer, rank: int, version: int, timeout_s: float = 600.0) -> None:
+def read_optimizer(
+    gps, trainer: TrainEngine, rank: int, version: int, timeout_s: float = 600.0
+) -> None:
     """Wait until the optimizer state of policy `version` is in GPS and read it into the
     trainer (which must hold that policy)."""
     kinds = trainer.optimizer_kinds()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from pivot_hpc.engines.base import TrainEngine
 from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.decode_steps import DecodeSteps
@@ -47,7 +48,7 @@ class Worker:
         self.extension = rank in world.ranks and rank not in world.base
         self.step_groups = StepGroups(world)
         self.engines: dict[str, Any] = {}
-        self.trainer = None
+        self.trainer: TrainEngine | None = None
         self.reference = None
         self.role: str | None = None
         self.leader = True  # False: a non-leading rank of a tp > 1 inference replica
@@ -213,7 +214,8 @@ class Worker:
         elif leader:
             if role in self.lazy_roles and role not in self.engines:
                 for other in [r for r in self.engines if r != role and r in self.lazy_roles]:
-                    self.engines.pop(other).close()  # one SGLang engine per process
+                    if getattr(self.cfg.engines, other).engine == "sglang":
+                        self.engines.pop(other).close()  # one SGLang engine per process
                 if torch.cuda.is_initialized():  # blocks cached here count as used for
                     torch.cuda.empty_cache()  # SGLang, which sizes its pool from what is free
                 self.engines[role] = self._make_engine(role)
@@ -364,10 +366,10 @@ class Worker:
             reclaim_signals=stop.reinstall,
         )
 
-    def _make_trainer(self):
+    def _make_trainer(self) -> TrainEngine:
         import os
 
-        from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+        from pivot_hpc.engines.train_factory import make_train_engine
         from pivot_hpc.models.qwen2 import model_config_of
         from pivot_hpc.models.zoo import load_model
 
@@ -376,10 +378,7 @@ class Worker:
         os.environ["RANK"] = str(self.world.torch_rank(self.comm.Get_rank()))
         os.environ["WORLD_SIZE"] = str(len(self.world.ranks))
         torch.set_num_threads(1)
-        rl = self.cfg.rl
-        return MegatronTrainEngine(
-            model_config_of(model), rl.trainer, rl.grpo, max_response_tokens=rl.max_response_tokens
-        )
+        return make_train_engine(self.cfg, model_config_of(model))
 
 
 def shard(batch, d: int, dp: int):

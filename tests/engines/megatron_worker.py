@@ -42,6 +42,9 @@ def main() -> None:
         )
 
     e = engine()
+    from pivot_hpc.engines.base import TrainEngine
+
+    res["is_train_engine"] = isinstance(e, TrainEngine)  # every member of the contract
     e.load_weights(canonical)
     ids = torch.randint(3, 99, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

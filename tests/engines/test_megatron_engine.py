@@ -81,6 +81,7 @@ def tp2(tmp_path_factory):
 @pytest.mark.parametrize("which", ["tp1", pytest.param("tp2", marks=pytest.mark.slow)])
 def test_megatron_engine(which, request):
     res, _ = request.getfixturevalue(which)
+    assert res["is_train_engine"]  # TrainEngine: the whole contract the runtime uses
     assert res["logits_max_diff"] <= 1e-5
     assert res["trained_logits_max_diff"] <= 1e-5
     assert res["logprob_max_diff"] <= 1e-5
