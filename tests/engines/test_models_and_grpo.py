@@ -12,9 +12,9 @@ import torch
 from pivot_hpc.data.arithmetic import problems
 from pivot_hpc.models.config import ModelConfig, ModelsConfig, SFTConfig, TinyModelSpec
 from pivot_hpc.models.zoo import load_model
-from pivot_hpc.recipes.local_grpo import LocalGRPO
 from pivot_hpc.recipes.tiny_models import ensure_model, ensure_models
 from pivot_hpc.rl.config import GRPOConfig, RLConfig, TrainerConfig
+from tests.engines.local_grpo import LocalGRPO
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, intermediate_size=192)
 

@@ -1,9 +1,11 @@
-"""A synchronous GRPO loop in one process: the embedded reference of the RL math.
+"""A synchronous GRPO loop in one process: the test suite's reference of the RL math.
 
+Not a second product path: `pivot-hpc run` is the one RL loop (coordinator, roles, GPS).
+This fixture checks, in one process and in seconds, that the pieces it shares with that
+loop (engines, rewards, advantages, the GRPO step) learn the tiny task:
 rollout (hf engine, policy) → verifiable reward (math-verify) + GenRM reward (hf engine,
 GenRM) → group advantages → Megatron GRPO step → weights exported (canonical tensors) and
-loaded into the rollout engine as version v+1. The distributed coordinator runs the same
-pieces across roles; this loop is the single-process reference the learning check runs.
+loaded into the rollout engine as version v+1.
 """
 
 from __future__ import annotations
