@@ -198,7 +198,29 @@ def verify(path: Path) -> dict[str, Any]:
             check_metadata(meta)  # the same unpickler the training ranks load it with
         except UnsafePickleError as exc:
             raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    _check_train_config(path, fix)
     return manifest
+
+
+# What megatron-core's `train/metadata.json` may say: it picks the loaders that read the
+# rest, so only the ones pivot_hpc writes (and has hardened) are accepted.
+_TRAIN_BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
+
+
+def _check_train_config(path: Path, fix: str) -> None:
+    config = path / "train" / "metadata.json"
+    if not config.is_file():
+        return
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        data = None
+    if not isinstance(data, dict) or any(data.get(k) != v for k, v in _TRAIN_BACKENDS.items()):
+        raise CheckpointError(
+            f"checkpoint {path}: train/metadata.json is not a megatron-core "
+            f"distributed checkpoint config with {_TRAIN_BACKENDS} (what pivot_hpc writes "
+            f"and reads); {fix}"
+        )
 
 
 def _check_listing(path: Path, manifest: dict[str, Any], fix: str) -> None:

@@ -144,3 +144,22 @@ def test_metadata_that_stores_tensors_outside_the_checkpoint_is_refused(
     meta.write_bytes(pickle.dumps(md))
     with pytest.raises(store.CheckpointError, match="outside the checkpoint's own files"):
         store.verify(_pivot_checkpoint(tmp_path / "run", src))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"sharded_backend": "zarr", "sharded_backend_version": 1, "common_backend": "torch"}',
+        "[" * 100_000 + "]" * 100_000,
+        "not json",
+    ],
+)
+def test_a_train_config_that_picks_other_loaders_is_refused(
+    genuine: Path, tmp_path: Path, text: str
+) -> None:
+    """megatron's metadata.json chooses the loaders of the rest: only ours are accepted."""
+    src = tmp_path / "src"
+    shutil.copytree(genuine, src)
+    (src / "train" / "metadata.json").write_text(text)
+    with pytest.raises(store.CheckpointError, match="train/metadata.json"):
+        store.verify(_pivot_checkpoint(tmp_path / "run", src))
