@@ -27,7 +27,13 @@ def in_mpi_world() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    # mpirun gives each rank's stdout a pseudo-terminal: numba's coloured errors (colorama)
+    # would then write a stray reset code (ESC[0m) as the log's last line; before numba loads
+    os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
     cfg = load_config(args.config, args.overrides)  # validated before any MPI work
+    from pivot_hpc.progress import interval_s
+
+    interval_s()  # PIVOT_HPC_PROGRESS_S, refused here rather than after the queue wait
     run_dir = Path(args.run_dir)
     from pivot_hpc.runtime import run_dir as run_dirs
 

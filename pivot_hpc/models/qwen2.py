@@ -35,6 +35,9 @@ def hf_config(cfg: ModelConfig) -> Qwen2Config:
 
 def create_model(cfg: ModelConfig, seed: int = 0) -> Qwen2ForCausalLM:
     """A randomly initialised model; the same seed gives the same weights."""
+    from pivot_hpc.models.zoo import _quiet_transformers
+
+    _quiet_transformers()  # its save_pretrained draws no "Writing model shards" bar
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(hf_config(cfg))

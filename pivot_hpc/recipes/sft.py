@@ -12,12 +12,12 @@ import random
 from collections.abc import Callable
 
 import torch
-from tqdm import tqdm
 
 from pivot_hpc.data import arithmetic
 from pivot_hpc.engines.base import TrainBatch
 from pivot_hpc.models.config import ModelConfig, SFTConfig
 from pivot_hpc.models.tokenizer import encode_prompt
+from pivot_hpc.progress import Progress
 from pivot_hpc.rl.config import TrainerConfig
 from pivot_hpc.rl.rewards import genrm_prompt
 
@@ -86,12 +86,14 @@ def run_sft(
     engine.load_weights(hf_model.state_dict())
     rng = random.Random(f"sft-{kind}-{seed}")
     losses = []
-    bar = tqdm(range(sft.steps), desc=f"SFT {kind}", disable=not progress, leave=False)
-    for _ in bar:
-        batch = sft_batch(tok, kind, rng, sft.batch_size, max_digits, sft.carry_slip)
-        m = engine.train_step(batch, loss="sft")
-        losses.append(m["nll"])
-        bar.set_postfix(nll=f"{m['nll']:.3f}")
+    with Progress(
+        sft.steps, f"SFT warm-up of the tiny {kind}", unit="steps", enabled=progress
+    ) as bar:
+        for _ in range(sft.steps):
+            batch = sft_batch(tok, kind, rng, sft.batch_size, max_digits, sft.carry_slip)
+            m = engine.train_step(batch, loss="sft")
+            losses.append(m["nll"])
+            bar.update(1, nll=f"{m['nll']:.3f}")
     with torch.no_grad():
         hf_model.load_state_dict(engine.export_weights(), strict=False)
     return losses

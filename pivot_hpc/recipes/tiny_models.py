@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,6 +68,13 @@ def ensure_model(cfg: ModelsConfig, kind: str, progress: bool = True) -> Path:
     if (final / "meta.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        steps = getattr(cfg, kind).sft.steps
+        print(
+            f"pivot-hpc: creating the tiny {kind} ({steps} SFT steps), once: cached in {final}",
+            file=sys.stderr,
+            flush=True,
+        )
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         build_model(cfg, kind, tmp / "m", progress=progress)

@@ -16,6 +16,7 @@ from pivot_hpc.config import Config, to_dict
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.coordinator import Coordinator
+from pivot_hpc.progress import Progress
 from pivot_hpc.sim.bound import batched_lengths, bound_rates, critical_path_rate
 from pivot_hpc.sim.catalog import (
     HARDWARE,
@@ -171,17 +172,14 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
 
         writer = TelemetryWriter(out, meta=meta)
         coord.telemetry = writer
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.loop.steps, desc=f"simulate {meta['mode']}", unit="step")
+    bar = Progress(
+        cfg.loop.steps, f"simulate {meta['mode']}", unit="steps", enabled=progress, leave=True
+    )
     wall = time.perf_counter()
     try:
-        coord.run(progress=bar.update if bar else None)
+        with bar:
+            coord.run(progress=bar.update if progress else None)
     finally:
-        if bar:
-            bar.close()
         if writer:
             writer.close()
     wall = time.perf_counter() - wall

@@ -1,5 +1,5 @@
 """`pivot-hpc config show`: the resolved config as YAML a run accepts, every key documented;
-the README's config examples load as they are written."""
+the config examples of the README and the user guide (docs/guide/) load as they are written."""
 
 from __future__ import annotations
 
@@ -41,11 +41,24 @@ def test_show_refuses_a_bad_override_in_one_line(capsys: pytest.CaptureFixture[s
     assert "rl.trainer.lrr" in capsys.readouterr().err
 
 
-def test_readme_config_examples_load(tmp_path: Path) -> None:
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
-    assert len(blocks) >= 2
+def _yaml_blocks(path: Path) -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [REPO / "README.md", *sorted((REPO / "docs" / "guide").glob("*.md"))],
+    ids=lambda p: str(p.relative_to(REPO)),
+)
+def test_doc_config_examples_load(doc: Path, tmp_path: Path) -> None:
+    blocks = _yaml_blocks(doc)
+    if doc.name == "README.md":
+        assert len(blocks) >= 2
     for block in blocks:
         path = tmp_path / "example.yaml"
         path.write_text(block)
         load_config(str(path), [])
+
+
+def test_the_guide_has_config_examples() -> None:
+    assert sum(len(_yaml_blocks(p)) for p in (REPO / "docs" / "guide").glob("*.md")) >= 3
