@@ -26,7 +26,7 @@
 # slurm/sacct_standin.py as /usr/local/bin/sacct when the real sacct does not work; it
 # answers `sacct -o JobID,State,NodeList --parsable2 -j ID` from `scontrol show job`.
 #
-# Settings (PLATFORM.md): proctrack/linuxproc + task/none (no cgroups), cons_tres,
+# Settings (docs/platform.md): proctrack/linuxproc + task/none (no cgroups), cons_tres,
 # no accounting, MpiDefault=pmix (OpenMPI forms one world only under --mpi=pmix),
 # JobRequeue=1, OverSubscribe=YES, CPUs=8 per node with SlurmdParameters=config_overrides
 # (more tasks than cores), and fast requeue: AuthInfo=cred_expire=10 and

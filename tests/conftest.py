@@ -15,7 +15,7 @@ import pytest
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
 # This machine kind: NIXL's bundled libnl vs Debian's libibverbs crash at exit unless UCX
-# leaves InfiniBand out (PLATFORM.md). The launchers set it for local and CPU-only worlds;
+# leaves InfiniBand out (docs/platform.md). The launchers set it for local and CPU-only worlds;
 # tests that create NIXL agents outside them inherit it from here. Never in pivot_hpc/.
 os.environ.setdefault("UCX_MODULES", "^ib")
 

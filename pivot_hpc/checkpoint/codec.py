@@ -4,7 +4,7 @@ Everything a checkpoint holds besides tensors files (RL state with its samples a
 sequences, RNG states) goes through `dumps`/`loads`. JSON cannot name code, and `loads`
 rebuilds only the dataclasses registered with `register` (by name, field by field), numpy
 arrays, torch tensors, tuples, bytes and dicts with non-string keys: a checkpoint from
-someone else can be wrong, never executable (DESIGN.md §9).
+someone else can be wrong, never executable (docs/design.md §9).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checkpoint settings (DESIGN.md §9)."""
+"""Checkpoint settings (docs/design.md §9)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pivot_hpc.config import Config
 
-# Environment that makes OpenMPI + UCX/NIXL behave on CPU machines (PLATFORM.md).
+# Environment that makes OpenMPI + UCX/NIXL behave on CPU machines (docs/platform.md).
 MPI_ENV = {
     "OMPI_ALLOW_RUN_AS_ROOT": "1",
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

@@ -229,7 +229,7 @@ def submit(
         "setup": [
             'echo "pivot-hpc submit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, '
             'SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}"',
-            # CPU allocations: what `pivot-hpc run` sets for its own mpirun (PLATFORM.md);
+            # CPU allocations: what `pivot-hpc run` sets for its own mpirun (docs/platform.md);
             # serialized: OpenMPI's osc/pt2pt (windows across nodes without RDMA) refuses
             # MPI_THREAD_MULTIPLE, and pivot_hpc calls MPI from one thread per rank
             'if [ -z "${SLURM_GPUS_ON_NODE:-}${SLURM_JOB_GPUS:-}${CUDA_VISIBLE_DEVICES:-}" ]; '

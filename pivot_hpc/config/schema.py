@@ -1,6 +1,6 @@
 """The run configuration: one dataclass per component, composed into `Config`.
 
-Field docs are the user documentation of each key; README.md shows a full example.
+Field docs are the user documentation of each key; docs/guide/configuration.md shows a full example.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class Config:
     loop: LoopConfig = field(default_factory=LoopConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     gps: GPSConfig = field(default_factory=GPSConfig)  # Global Parameter Storage (§5.1)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # DESIGN.md §9
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # docs/design.md §9
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow
 
     def validate(self, path: str) -> None:

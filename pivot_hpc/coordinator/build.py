@@ -1,5 +1,5 @@
 """The one way to build a coordinator from a config: the simulator and the live run both
-call `build` (DESIGN.md §2: one brain, two clusters).
+call `build` (docs/design.md §2: one brain, two clusters).
 
 What differs between them is passed in: the cluster, the replicas' throughput models and
 KV capacities (catalog costs in the simulator, engine profiles live), where samples come

@@ -1,4 +1,4 @@
-"""The abstract cluster the coordinator drives (DESIGN.md §2: one brain, two clusters).
+"""The abstract cluster the coordinator drives (docs/design.md §2: one brain, two clusters).
 
 Replica ids are "<role>:<slot>" (see planner.snapshot); the training set is "training",
 its elastic data-parallel extensions "training:<slot>".

@@ -1,6 +1,6 @@
 """The coordinator: the RL loop over the schedulers, the planner and shift execution.
 
-One event loop over an abstract `Cluster` (DESIGN.md §2). The simulator and the live MPI
+One event loop over an abstract `Cluster` (docs/design.md §2). The simulator and the live MPI
 runtime provide clusters; this class, its two schedulers and the planner are the same
 objects in both. A deployment `Mode` (modes.py) decides when replicas shift; everything
 else — dispatching sequences, migrating them on shifts (`shifts.ShiftExecutor`),

@@ -1,7 +1,7 @@
 """What a cluster reports to the coordinator (events). Actions are `Cluster` method calls.
 
 The live MPI runtime and the simulator produce the same events; the coordinator, its
-schedulers and planner cannot tell them apart (DESIGN.md §2).
+schedulers and planner cannot tell them apart (docs/design.md §2).
 """
 
 from __future__ import annotations

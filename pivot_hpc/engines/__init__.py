@@ -1,1 +1,1 @@
-"""Inference and training engines behind two small protocols (DESIGN.md §5)."""
+"""Inference and training engines behind two small protocols (docs/design.md §5)."""

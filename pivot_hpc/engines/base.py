@@ -1,4 +1,4 @@
-"""The two engine protocols (DESIGN.md §5) and the plain data they exchange.
+"""The two engine protocols (docs/design.md §5) and the plain data they exchange.
 
 InferenceEngine — what the shift-aware scheduler drives on one replica; the whole contract
 the worker (runtime/worker.py) uses, and what tests/engines/test_engine_conformance.py

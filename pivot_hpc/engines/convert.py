@@ -1,7 +1,7 @@
 """Megatron (local spec, tensor-parallel shards) ↔ canonical HuggingFace Qwen2 tensors.
 
-Canonical = the names and layouts of `transformers`' Qwen2ForCausalLM (DESIGN.md §4).
-Megatron fuses and shards (PLATFORM.md):
+Canonical = the names and layouts of `transformers`' Qwen2ForCausalLM (docs/design.md §4).
+Megatron fuses and shards (docs/platform.md):
 - `linear_qkv` rows are grouped per KV group: [q (nh/nkv·d rows), k (d), v (d)] × nkv;
   a TP rank holds a contiguous block of nkv/tp groups.
 - `linear_fc1` = cat([gate, up]) of this rank's rows (gate and up are split separately).

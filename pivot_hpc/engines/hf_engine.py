@@ -6,7 +6,7 @@ device, sampling uses a generator there, and GPS reads land there directly.
 
 Why not `model.generate` or transformers' own continuous batching: generate cannot admit
 or abort a sequence mid-batch, and transformers' CB was 3–9x slower on CPU and returns no
-partial tokens on cancel (PLATFORM.md). This loop calls the model's own modules (norms,
+partial tokens on cancel (docs/platform.md). This loop calls the model's own modules (norms,
 projections, rotary embedding, MLP, LM head) but owns the KV cache:
 
 - KV cache: per layer one K and one V tensor [slots, kv_heads, max_len, head_dim]. Running

@@ -1,4 +1,4 @@
-"""The ONLY place where megatron-core is patched to run on CPU (PLATFORM.md).
+"""The ONLY place where megatron-core is patched to run on CPU (docs/platform.md).
 
 Applied by `apply()` only when no CUDA device is present; on a GPU machine it does
 nothing. What it changes, and why:

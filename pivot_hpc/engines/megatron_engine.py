@@ -3,7 +3,7 @@
 Model: `megatron_model.build_gpt_model`, wrapped in megatron's DistributedDataParallel
 (gradients land in contiguous fp32 `main_grad` buffers, reduced over data parallelism).
 Optimizer: a plain torch AdamW (megatron's own optimizer hard-codes CUDA and its
-distributed optimizer does not run on CPU; PLATFORM.md), so CPU and GPU run one code path.
+distributed optimizer does not run on CPU; docs/platform.md), so CPU and GPU run one code path.
 With fp32 parameters (the CPU default) it steps the parameters themselves; with bf16
 parameters (the GPU default, `trainer.dtype`) it steps fp32 master copies and casts them
 back after each step, as megatron's mixed-precision optimizer does. The gradient norm is

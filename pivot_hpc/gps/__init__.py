@@ -1,4 +1,4 @@
-"""Global Parameter Storage (GPS, paper §5.1 and App. B; DESIGN.md §4).
+"""Global Parameter Storage (GPS, paper §5.1 and App. B; docs/design.md §4).
 
 Every node's host rank (local rank 0) keeps the parameters of every model in an MPI shared
 window that all ranks of the node map; a rank that takes on a role Reads the model laid

@@ -20,7 +20,7 @@ does not finish within gps.transfer_timeout_s fails with an error that says so.
 
 UCX_MODULES is left to the site: on a cluster it must keep InfiniBand (`^ib` there turns
 RDMA off and passive NIXL reads over TCP stall). Where NIXL's bundled libnl and Debian's
-libibverbs providers crash every process at exit (CPU machines like CI's, PLATFORM.md),
+libibverbs providers crash every process at exit (CPU machines like CI's, docs/platform.md),
 the launchers of local and CPU-only worlds set `UCX_MODULES=^ib` themselves
 (cli/local_world.py, slurm/pivot.sbatch, `pivot-hpc submit`). The first transfer to a
 peer pays UCX wire-up (~1 s here); later ones do not.

@@ -2,7 +2,7 @@
 
 Every printable ASCII character plus newline is one token, so any text of the synthetic
 task (and any GenRM rationale) round-trips exactly. Loaded back with
-`PreTrainedTokenizerFast.from_pretrained` (PLATFORM.md: AutoTokenizer would pick
+`PreTrainedTokenizerFast.from_pretrained` (docs/platform.md: AutoTokenizer would pick
 Qwen2Tokenizer, which silently drops spaces and newlines for a custom vocab).
 """
 

@@ -1,1 +1,1 @@
-"""The live runtime: one MPI world whose worker ranks shift between roles (DESIGN.md §2–§3)."""
+"""The live runtime: one MPI world whose worker ranks shift between roles (docs/design.md §2–§3)."""

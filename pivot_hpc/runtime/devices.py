@@ -1,4 +1,4 @@
-"""Which GPU a worker rank drives (DESIGN.md §2): bound before anything touches CUDA.
+"""Which GPU a worker rank drives (docs/design.md §2): bound before anything touches CUDA.
 
 A worker (node-local rank j ≥ 1) owns GPU slot j-1 of its node. It sees exactly that GPU:
 `CUDA_VISIBLE_DEVICES` is narrowed to it and `LOCAL_RANK` is 0, its index in what it

@@ -1,4 +1,4 @@
-"""Elastic training live (`planner.elastic_training`, DESIGN.md §3): training's data
+"""Elastic training live (`planner.elastic_training`, docs/design.md §3): training's data
 parallelism changes between steps.
 
 - **The training world.** torch.distributed spans every worker that may ever train: the

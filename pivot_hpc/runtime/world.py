@@ -1,4 +1,4 @@
-"""World layout (DESIGN.md §2): hosts, the coordinator, and workers bound to device slots.
+"""World layout (docs/design.md §2): hosts, the coordinator, and workers bound to device slots.
 
 COMM_WORLD is split into nodes (COMM_TYPE_SHARED, or pseudo-nodes of `gps.pseudo_node_size`
 ranks for tests on one host). On each node local rank 0 is the HOST rank (GPS shard);

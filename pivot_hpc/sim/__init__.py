@@ -1,1 +1,1 @@
-"""Discrete-event cluster simulator driving the same coordinator (DESIGN.md §8)."""
+"""Discrete-event cluster simulator driving the same coordinator (docs/design.md §8)."""

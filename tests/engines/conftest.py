@@ -8,7 +8,7 @@ import torch
 from pivot_hpc.models.qwen2 import create_model
 from tests.tiny_arch import tiny_arch
 
-# initializer_range 0.3 keeps a random model's greedy output varied (PLATFORM.md)
+# initializer_range 0.3 keeps a random model's greedy output varied (docs/platform.md)
 TINY = tiny_arch(max_position_embeddings=256, initializer_range=0.3)
 
 

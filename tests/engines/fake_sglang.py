@@ -1,5 +1,5 @@
 """A fake SGLang 0.5.23 at the Engine boundary, for the adapter tests and the conformance
-suite (SGLang cannot be installed or run on this CPU-only machine, PLATFORM.md).
+suite (SGLang cannot be installed or run on this CPU-only machine, docs/platform.md).
 
 Same method names and signatures as the real Engine for what the adapter calls, and the
 awkward behaviours the adapter must survive, each from the 0.5.23 source:

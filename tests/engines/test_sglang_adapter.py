@@ -1,6 +1,6 @@
 """The `sglang` InferenceEngine adapter against a fake SGLang engine at the Engine boundary.
 
-SGLang cannot be installed or run on this CPU-only machine (PLATFORM.md), so these tests
+SGLang cannot be installed or run on this CPU-only machine (docs/platform.md), so these tests
 check the adapter's own logic: request mapping, results, abort/resume, memory sequencing,
 weight buckets and versions, stats, and the fixes for what would break a first GPU run
 (placement and ports, signals, late idle, memory budget, shared-memory buckets). The fake

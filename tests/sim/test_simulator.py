@@ -1,4 +1,4 @@
-"""The coordinator driven by the discrete-event simulated cluster (DESIGN.md §8)."""
+"""The coordinator driven by the discrete-event simulated cluster (docs/design.md §8)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_pivot_plus_never_moves_gpus_back_before_a_plan_has_repaid() -> None:
     that took them from it has repaid its penalty (φ / gain after its decision), unless
     that role starves (work and no replica)."""
     # group 3's models under pipeline admission: the paper's pivot moves GPUs back and
-    # forth there every few seconds (README, planner quality)
+    # forth there every few seconds (docs/results/2026-12-simulator-paper-groups.md)
     cfg = load_config(
         Path(__file__).parents[2] / "configs/sim/group3-qwen32b-qwen30b.yaml",
         ["planner.strategy=pivot+", "scheduler.admission=pipeline", "loop.steps=4"],

@@ -26,7 +26,7 @@ CLUSTER_DIR = Path(os.environ.get("PIVOT_SLURM_DIR", "/tmp/pivot-slurm"))
 START_TIMEOUT_S = 900  # includes apt-get install on a fresh machine
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "PREEMPTED"}  # fmt: skip
-# OpenMPI between the two fake nodes (same host): TCP over loopback (PLATFORM.md)
+# OpenMPI between the two fake nodes (same host): TCP over loopback (docs/platform.md)
 TWO_NODE_ENV = {"OMPI_MCA_btl": "self,tcp", "OMPI_MCA_btl_tcp_if_include": "lo"}
 
 

@@ -1,4 +1,4 @@
-"""TrainEngine is the whole contract (DESIGN.md §5): the runtime calls nothing on a
+"""TrainEngine is the whole contract (docs/design.md §5): the runtime calls nothing on a
 training engine that engines/base.py's protocol does not declare, and the engine is built
 from `rl.trainer.engine` by one factory. (That MegatronTrainEngine has every member is
 checked where it can be built: tests/engines/test_megatron_engine.py.)"""
