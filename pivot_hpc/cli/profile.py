@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tqdm import tqdm
+from pivot_hpc.progress import Progress
 
 
 def _ints(text: str) -> list[int]:
@@ -20,7 +20,12 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="hf", choices=["hf"], help="inference engine")
+    p.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="inference engine (vllm: one vLLM engine in this process, sized for the grid)",
+    )
     p.add_argument(
         "--model",
         default="policy",
@@ -54,20 +59,22 @@ def run(args: argparse.Namespace) -> int:
         path = ensure_model(mcfg, args.model, progress=not args.json)
         model, _ = load_model(path)
         name = path.name
-    bar = tqdm(
-        total=len(args.batch_sizes) * len(args.context_lens),
-        desc="profile",
-        disable=args.json,
-        leave=False,
-    )
-    samples = sweep(
-        model,
-        args.batch_sizes,
-        args.context_lens,
-        steps=args.steps,
-        progress=lambda k, n: bar.update(1),
-    )
-    bar.close()
+    factory, vllm = None, None
+    if args.engine == "vllm":
+        vllm = _start_vllm(args, model, path if args.model != "random" else None)
+        factory = lambda max_batch, kv, max_len: vllm  # noqa: E731 (one engine, every point)
+    points = len(args.batch_sizes) * len(args.context_lens)
+    with Progress(points, "profile", unit="grid points", enabled=not args.json) as bar:
+        samples = sweep(
+            model,
+            args.batch_sizes,
+            args.context_lens,
+            steps=args.steps,
+            progress=lambda k, n: bar.update(1),
+            engine_factory=factory,
+        )
+    if vllm is not None:
+        vllm.close()
     result = fit_samples(samples)
     out_dir = args.out or cache_root(args.cache_dir) / "profiles"
     path = write_profile(
@@ -106,3 +113,26 @@ def run(args: argparse.Namespace) -> int:
         + " ".join(f"{args.role}.throughput.{k}={v:.6g}" for k, v in m.as_dict().items())
     )
     return 0
+
+
+def _start_vllm(args: argparse.Namespace, model, model_dir: Path | None):
+    """One vLLM engine for the whole sweep (a start per grid point would dominate it),
+    sized for the largest batch and context; every point gets it back, emptied."""
+    import tempfile
+
+    from pivot_hpc.engines.config import InferenceEngineConfig
+    from pivot_hpc.engines.profile import WARMUP_STEPS
+    from pivot_hpc.engines.vllm_launch import make_vllm_engine
+
+    if model_dir is None:  # the random model: vLLM loads directories only
+        from pivot_hpc.models.tokenizer import build_tokenizer
+
+        model_dir = Path(tempfile.mkdtemp(prefix="pivot-profile-"))
+        model.save_pretrained(model_dir)
+        build_tokenizer().save_pretrained(model_dir)
+    b, c = max(args.batch_sizes), max(args.context_lens) + args.steps + WARMUP_STEPS + 4
+    ec = InferenceEngineConfig(
+        engine="vllm", max_batch=b, max_seq_len=c, prefill_chunk_tokens=4096,
+        num_threads=args.threads,
+    )  # fmt: skip
+    return make_vllm_engine(ec, model_dir, role=args.role, tp=1, kv_capacity_tokens=b * c, seed=0)

@@ -1,8 +1,9 @@
-"""Build a role's InferenceEngine from the run config (DESIGN.md §5).
+"""Build a role's InferenceEngine from the run config (docs/design.md §5).
 
-`engines.<role>.engine` picks it: `hf` (CPU or the worker's GPU, embedded) or `sglang`
-(GPU, one SGLang Engine per replica leader over the replica's `tp` GPUs). sglang is
-imported only here, lazily.
+`engines.<role>.engine` picks it: `hf` (CPU or the worker's GPU, embedded), `sglang`
+(GPU, one SGLang Engine per replica leader over the replica's `tp` GPUs) or `vllm` (vLLM
+in the worker's process, CPU or GPU build: vllm_launch.py). sglang and vllm are imported
+only here, lazily.
 
 Config keys and where they go: `max_batch`, `max_seq_len`, `prefill_chunk_tokens` and the
 sampling `seed` reach both engines (SGLang: max_running_requests, context_length,
@@ -40,6 +41,12 @@ def make_inference_engine(
     """
     ec: InferenceEngineConfig = getattr(cfg.engines, role)
     rc = getattr(cfg, role)  # InferenceRoleConfig: tp, kv_capacity_tokens
+    if ec.engine == "vllm":
+        from pivot_hpc.engines.vllm_launch import make_vllm_engine
+
+        return make_vllm_engine(
+            ec, model_dir, role=role, tp=rc.tp, kv_capacity_tokens=rc.kv_capacity_tokens, seed=seed
+        )
     if ec.engine == "sglang":
         return make_sglang_engine(
             ec,
@@ -60,7 +67,7 @@ def make_inference_engine(
         "max_batch": ec.max_batch,
         "max_seq_len": ec.max_seq_len,
         "prefill_chunk_tokens": ec.prefill_chunk_tokens,
-        "num_threads": ec.num_threads,  # 1 by default: one thread per worker (PLATFORM.md)
+        "num_threads": ec.num_threads,  # 1 by default: one thread per worker (docs/platform.md)
         "seed": seed,
     }
     if ec.process == "child":

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
-from pivot_hpc.engines.base import SamplingParams
+from pivot_hpc.engines.base import InferenceEngine, SamplingParams
 from pivot_hpc.engines.hf_engine import HFEngine
 from pivot_hpc.scheduler.config import ThroughputConfig
 from pivot_hpc.scheduler.throughput import FitReport, evaluate_fit, fit_throughput_model
@@ -50,20 +51,29 @@ def sweep(
     seed: int = 0,
     progress=None,
     num_threads: int | None = None,
+    engine_factory: Callable[[int, int, int], InferenceEngine] | None = None,
 ) -> list[Sample]:
+    """`engine_factory(max_batch, kv_capacity_tokens, max_seq_len)`: the engine of a grid
+    point (default: a fresh `hf` engine over `model`; `pivot-hpc profile --engine vllm`
+    passes one vLLM engine for every point, sized for the largest). `model` gives the
+    vocabulary the random prompts are drawn from."""
     g = torch.Generator().manual_seed(seed)
     vocab = min(model.config.vocab_size, 99)
     out: list[Sample] = []
     grid = [(b, c) for b in batch_sizes for c in context_lens]
     for k, (b, c) in enumerate(grid):
         i, j = batch_sizes.index(b), context_lens.index(c)
-        engine = HFEngine(
-            model,
-            kv_capacity_tokens=b * (c + steps + WARMUP_STEPS + 4),
-            max_batch=b,
-            max_seq_len=c + steps + WARMUP_STEPS + 4,
-            num_threads=num_threads,
-        )
+        kv, max_len = b * (c + steps + WARMUP_STEPS + 4), c + steps + WARMUP_STEPS + 4
+        if engine_factory is not None:
+            engine = engine_factory(b, kv, max_len)
+        else:
+            engine = HFEngine(
+                model,
+                kv_capacity_tokens=kv,
+                max_batch=b,
+                max_seq_len=max_len,
+                num_threads=num_threads,
+            )
         sp = SamplingParams(temperature=0.0, max_tokens=steps + WARMUP_STEPS, ignore_eos=True)
         for s in range(b):
             engine.add(s, torch.randint(3, vocab, (c,), generator=g).tolist(), sampling=sp)

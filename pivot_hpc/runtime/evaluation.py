@@ -4,7 +4,7 @@ Per-step training rewards are noisy (a few prompts, sampled responses); whether 
 working shows in a fixed set of unseen problems answered greedily by the current policy.
 The coordinator reads the policy from GPS and decodes the set with the `hf` engine on its
 own rank — at the start, every `loop.eval_every_steps` steps and at the end. Only for the
-embedded CPU default (`hf` rollout engine): a GPU run evaluates on its GPU engines.
+CPU runs (`hf` rollout engine, or vLLM's CPU build): a GPU run evaluates on its GPU engines.
 """
 
 from __future__ import annotations

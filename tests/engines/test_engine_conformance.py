@@ -1,5 +1,7 @@
-"""One conformance suite over every InferenceEngine: the `hf` engine (a tiny random Qwen2)
-and the `sglang` adapter over the fake SGLang (tests/engines/fake_sglang.py).
+"""One conformance suite over every InferenceEngine: the `hf` engine (a tiny random Qwen2),
+the `sglang` adapter over the fake SGLang (tests/engines/fake_sglang.py), and the `vllm`
+adapter over real vLLM (the CPU build; tests/vllm_support.py: a failure in CI when vLLM is
+missing). One vLLM engine serves the whole module: each test gets a fresh adapter over it.
 
 What is checked is the contract of engines/base.py, i.e. everything runtime/worker.py
 calls: drain, abort with its tokens and resume, snapshot, seq_lengths, release and resume
@@ -23,6 +25,7 @@ from pivot_hpc.engines.hf_engine import HFEngine
 from pivot_hpc.errors import PivotError
 from pivot_hpc.models.qwen2 import create_model
 from pivot_hpc.models.tokenizer import build_tokenizer
+from tests.vllm_support import require_vllm, vllm_model_dir
 
 from .conftest import TINY
 from .fake_sglang import FakeSGLangEngine, close_all, drain, make_fake, weights, write_model_dir
@@ -61,9 +64,50 @@ class Harness:
         self.fake.credit = None if n == 0 else 0
 
 
-@pytest.fixture(params=["hf", "sglang"])
+@pytest.fixture(scope="module")
+def vllm_base(tmp_path_factory):
+    """One real vLLM engine for the module (startup and import are the cost)."""
+    require_vllm()
+    from safetensors.torch import load_file
+
+    d = vllm_model_dir(tmp_path_factory.mktemp("vllm"))
+    cfg = SimpleNamespace(
+        engines=SimpleNamespace(rollout=InferenceEngineConfig(engine="vllm", max_batch=8)),
+        rollout=SimpleNamespace(tp=1, kv_capacity_tokens=KV),
+    )
+    base = make_inference_engine(cfg, "rollout", d, seed=0)
+    state = load_file(str(d / "model.safetensors"))
+    yield base, state
+    base.close()
+
+
+def fresh_vllm_adapter(base):
+    """A new adapter over the module's engine, as a just-started one would be."""
+    from pivot_hpc.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        base.engine,
+        api=base.api,
+        stats=base.step_stats,
+        max_batch=base.max_batch,
+        max_seq_len=base.max_seq_len,
+        kv_capacity=base.kv_capacity,
+        eos_token_ids=base.eos_ids,
+        weight_names=base.weight_names,
+        seed=base.seed,
+    )
+
+
+@pytest.fixture(params=["hf", "sglang", "vllm"])
 def h(request, tiny_model, tmp_path):
-    if request.param == "hf":
+    if request.param == "vllm":
+        base, state = request.getfixturevalue("vllm_base")
+        eng = fresh_vllm_adapter(base)
+        yield Harness("vllm", eng, lambda: state)
+        eng.close()  # aborts what is left (no on_close: the engine stays the module's)
+        if base.engine.is_sleeping():  # a test that released memory and stopped there
+            base.engine.wake_up(["scheduling"])
+    elif request.param == "hf":
         model = copy.deepcopy(tiny_model)
         state = {k: v.clone() for k, v in model.state_dict().items()}
         eng = HFEngine(model, kv_capacity_tokens=KV, max_batch=8, max_seq_len=256)

@@ -77,3 +77,13 @@ def test_bench_engine_json(capsys):
         assert row["tokens_per_s"] > 0 and row["hf_generate_tokens_per_s"] > 0
         assert row["outputs_match"]
     assert out["ratio_batch64"] == pytest.approx(out["batch"]["64"]["ratio"])
+    # vLLM beside them (tests/vllm_support.py: installed in CI); without it, null and why
+    if out["vllm_skipped"] is None:
+        for b in ("1", "64"):
+            assert out[f"vllm_tokens_per_s_batch{b}"] > 0 and out["batch"][b]["vllm_outputs_match"]
+        assert out["ratio_vllm_vs_hf_batch64"] == pytest.approx(
+            out["vllm_tokens_per_s_batch64"] / out["batch"]["64"]["tokens_per_s"]
+        )
+        assert out["vllm_startup_s"] > 0
+    else:
+        assert out["vllm_tokens_per_s_batch64"] is None and out["ratio_vllm_vs_hf_batch64"] is None
