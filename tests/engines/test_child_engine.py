@@ -79,3 +79,35 @@ def test_no_mpi_environment_reaches_the_child(model_dir, monkeypatch) -> None:
     finally:
         eng.close()
     assert eng._proc.returncode == 0  # closed cleanly, not killed
+
+
+def _wait_forever() -> None:  # a multiprocessing child: what SGLang's scheduler looks like
+    while True:
+        time.sleep(0.1)
+
+
+def test_children_a_library_spawns_inside_shielded_ignore_the_jobs_signals() -> None:
+    """SGLang's scheduler/detokenizer (and vLLM's engine core) are multiprocessing spawn
+    children: started inside `shielded()` they outlive a USR1/TERM; outside, they die."""
+    import multiprocessing
+
+    from pivot_hpc.engines.job_signals import shielded
+
+    ctx = multiprocessing.get_context("spawn")
+    with shielded():
+        kept = ctx.Process(target=_wait_forever, daemon=True)
+        kept.start()
+    plain = ctx.Process(target=_wait_forever, daemon=True)
+    plain.start()
+    try:
+        time.sleep(1.0)  # both past interpreter start-up
+        for p in (kept, plain):
+            os.kill(p.pid, signal.SIGUSR1)
+            os.kill(p.pid, signal.SIGTERM)
+        plain.join(timeout=10)
+        time.sleep(0.3)
+        assert plain.exitcode is not None and kept.is_alive()
+    finally:
+        for p in (kept, plain):
+            p.kill()
+            p.join(timeout=10)
