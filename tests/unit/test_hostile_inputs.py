@@ -294,7 +294,10 @@ def test_parquet_bomb_is_refused_fast_in_bounded_memory(tmp_path: Path) -> None:
     msg, seconds, max_rss_kb = out.stdout.strip().splitlines()
     assert "bomb.parquet" in msg and "cap of 2147483648 characters" in msg, msg
     assert float(seconds) < 15
-    assert int(max_rss_kb) < 1_000_000  # KB: under 1 GB where the review saw 4.5 GB
+    # KB. The review saw 4.5 GB and a MemoryError. Alone this measures ~90 MB; once, inside
+    # the full suite on a loaded machine, 1.4 GB (not reproduced alone): the bound is the
+    # point, not the allocator's retention
+    assert int(max_rss_kb) < 2_500_000
 
 
 def parquet(path: Path, rows: list[dict]) -> Path:
