@@ -105,6 +105,7 @@ def test_the_genuine_checkpoint_passes_the_same_check(genuine: Path, tmp_path: P
     store.verify(_pivot_checkpoint(tmp_path / "run", genuine))
 
 
+@pytest.mark.slow  # a second worker process: the full suite (CI) runs it
 @pytest.mark.timeout(300)
 def test_the_training_rank_refuses_payloads_and_loads_the_genuine_bitwise(
     genuine: Path, tmp_path: Path

@@ -160,6 +160,7 @@ def _files(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow  # 10-25 s: the full suite (CI) runs it
 @pytest.mark.timeout(240)
 def test_dry_run_fits_the_h200_check_machine(tmp_path):
     """`run_device_check.sh --dry-run` on CPU: the device run's path (arguments, every
