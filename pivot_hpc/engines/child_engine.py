@@ -64,6 +64,7 @@ class ChildEngine:
     def _call(self, name: str, *args: Any) -> Any:
         try:
             self._send.send_bytes(pickle.dumps((name, args)))
+            # a message from this rank's own child over its private pipe, never a file
             ok, value = pickle.loads(self._recv.recv_bytes())
         except (EOFError, OSError):
             raise self._died(name) from None
@@ -156,7 +157,7 @@ def _serve(recv: Connection, send: Connection) -> None:
     engine: InferenceEngine | None = None
     while True:
         try:
-            name, args = pickle.loads(recv.recv_bytes())
+            name, args = pickle.loads(recv.recv_bytes())  # from the parent rank's pipe
         except (EOFError, OSError):
             return  # the rank is gone or closed the pipe
         try:

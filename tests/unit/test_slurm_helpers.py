@@ -81,3 +81,34 @@ def test_sacct_cache_is_written_private_and_read_only_when_trusted(tmp_path: Pat
     cache.chmod(0o600)
     cache.write_text(json.dumps(["not", "a", "mapping"]))
     assert standin.load_cache() == {}
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("rl.trainer.distributed_optimizer=true", "distributed_optimizer=false"),
+        ("cluster.gpu_memory_gib=0.001", "memory plan: rollout needs"),
+    ],
+)
+def test_sbatch_refuses_what_the_world_would_before_srun(
+    tmp_path: Path, override: str, says: str
+) -> None:
+    """slurm/pivot.sbatch checks the memory plan and the live runtime's limits before srun,
+    as `pivot-hpc run`/`submit` do: one clear error, exit 2, no requeue loop."""
+    env = {**os.environ, "SLURM_JOB_ID": "1", "SLURM_NTASKS": "5", "SLURM_JOB_NODELIST": "n1"}
+    out = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "slurm" / "pivot.sbatch"),
+            "configs/tiny.yaml",
+            str(tmp_path),
+            override,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert says in out.stderr and "srun" not in out.stdout, out.stderr
