@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import io
 import os
 import pickle
 import re
@@ -113,11 +112,6 @@ class _DataOnlyUnpickler(pickle._Unpickler):  # the Python unpickler: BUILD can 
 
     def get_extension(self, code: int) -> None:  # copyreg's cache would skip find_class
         raise self._refuse(f"uses copyreg extension code {code}")
-
-
-def loads_metadata(data: bytes, source: str) -> Any:
-    """Unpickle `data` (named `source` in errors) with the checkpoint-metadata allow-list."""
-    return load_metadata(io.BytesIO(data), source)
 
 
 def load_metadata(file: Any, source: str | None = None) -> Any:

@@ -59,14 +59,10 @@ def run(args: argparse.Namespace) -> int:
         return report_status(run_in_world(cfg, run_dir))
     # What the world would refuse, refused here in one line before anything starts.
     from pivot_hpc.cli.local_world import check_world_fits
-    from pivot_hpc.planning import check_memory
-    from pivot_hpc.runtime.world import check_live_config
-    from pivot_hpc.tracking import check_available
+    from pivot_hpc.runtime.world import check_before_launch
 
-    check_memory(cfg)  # the memory plan (`pivot-hpc plan`), when the config names its GPU
     check_world_fits(cfg)  # before anything is read or written: mpirun -n follows it
-    check_live_config(cfg)
-    check_available(cfg.tracking)
+    check_before_launch(cfg)
     from pivot_hpc.data.loaders import Columns, usable_problems
 
     data = cfg.rl.data

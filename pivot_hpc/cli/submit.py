@@ -279,13 +279,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--nodes={args.nodes}: need at least 1 node")
         overrides.append(f"cluster.nodes={args.nodes}")
     cfg = load_config(args.config, overrides)  # validated before anything is submitted
-    from pivot_hpc.planning import check_memory
-    from pivot_hpc.runtime.world import check_live_config
-    from pivot_hpc.tracking import check_available
+    from pivot_hpc.runtime.world import check_before_launch
 
-    check_memory(cfg)  # the memory plan (`pivot-hpc plan`), when the config names its GPU
-    check_live_config(cfg)
-    check_available(cfg.tracking)
+    check_before_launch(cfg)
     if args.run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.run_dir = f"runs/{Path(args.config).stem}-{stamp}"

@@ -72,6 +72,18 @@ def check_launch(cfg: Config, size: int) -> None:
         )
 
 
+def check_before_launch(cfg: Config) -> None:
+    """Everything a launcher refuses before it starts a world, in one place (`pivot-hpc
+    run`, `pivot-hpc submit`, slurm/pivot.sbatch): the memory plan when the config names
+    its GPU, what only a live run cannot do, and the experiment trackers asked for."""
+    from pivot_hpc.planning import check_memory
+    from pivot_hpc.tracking import check_available
+
+    check_memory(cfg)
+    check_live_config(cfg)
+    check_available(cfg.tracking)
+
+
 def check_live_config(cfg: Config) -> None:
     """What only a live run cannot do (the simulator runs any tp with any engine); the
     launchers call this before starting anything, the world again on arrival."""

@@ -133,12 +133,13 @@ def test_metadata_that_stores_tensors_outside_the_checkpoint_is_refused(
     import dataclasses
     import pickle
 
-    from pivot_hpc.checkpoint.safe_pickle import loads_metadata
+    from pivot_hpc.checkpoint.safe_pickle import load_metadata
 
     src = tmp_path / "src"
     shutil.copytree(genuine, src)
     meta = src / "train" / ".metadata"
-    md = loads_metadata(meta.read_bytes(), str(meta))
+    with open(meta, "rb") as f:
+        md = load_metadata(f)
     md.storage_data = {
         k: dataclasses.replace(v, relative_path=where) for k, v in md.storage_data.items()
     }

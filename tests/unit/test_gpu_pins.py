@@ -38,6 +38,12 @@ def ours() -> dict[str, Requirement]:
 
 def sglang_pins(python: str) -> dict[str, SpecifierSet]:
     """SGLang's requirements that apply on Linux x86_64 under CPython `python`."""
+    return release_pins(SGLANG_REQUIRES, python)
+
+
+def release_pins(requires: Path, python: str) -> dict[str, SpecifierSet]:
+    """A release's requirements (its `requires.txt`, base install only) that apply on Linux
+    x86_64 under CPython `python`, merged per package."""
     env = {
         **default_environment(),
         "sys_platform": "linux",
@@ -48,7 +54,7 @@ def sglang_pins(python: str) -> dict[str, SpecifierSet]:
         "implementation_name": "cpython",
     }
     out: dict[str, SpecifierSet] = {}
-    for r in _reqs(SGLANG_REQUIRES.read_text()):
+    for r in _reqs(requires.read_text()):
         if r.marker is None or r.marker.evaluate({**env, "extra": ""}):
             name = canonicalize_name(r.name)
             out[name] = out.get(name, SpecifierSet()) & r.specifier

