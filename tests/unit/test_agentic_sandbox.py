@@ -1,0 +1,308 @@
+"""The tool sandbox: limits, deadlines, a clean child, the whole process group killed; and
+the node's sandbox server (bounded concurrency, health). Every test spawns short-lived
+children and carries a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pivot_hpc.agentic import sandbox
+from pivot_hpc.agentic.messages import ToolCall
+from pivot_hpc.agentic.sandbox import SandboxLimits, detect_isolation, run_tool
+from pivot_hpc.agentic.server import SandboxServer, preflight
+from pivot_hpc.agentic.tools import (
+    CALCULATOR_SCHEMA,
+    ToolRegistry,
+    ToolSpec,
+    build_registry,
+    calculator,
+    observation_body,
+)
+
+# A killed group is reaped and its directory removed within this; generous, since the test
+# machine's 2 cores are shared (a load of 10 was seen): the point is minutes vs seconds.
+GRACE_S = 2.5
+
+
+def calc(expression: str, limits: SandboxLimits | None = None):
+    payload = json.dumps({"expression": expression}).encode()
+    return run_tool(calculator().program, payload, limits or SandboxLimits())
+
+
+def _alive(marker: str) -> list[int]:
+    """Processes (not zombies) whose command line holds `marker`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() not in (entry / "cmdline").read_bytes():
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _gone(marker: str, within_s: float = GRACE_S) -> bool:
+    end = time.monotonic() + within_s
+    while _alive(marker):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _forks_sleeper(marker: str, then: str) -> str:
+    """A program that leaves a grandchild sleeping (named by `marker`), then runs `then`."""
+    return (
+        "import os, sys\n"
+        "if os.fork() == 0:\n"
+        f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+        f"{then}\n"
+    )
+
+
+def _run_watching(program: str, limits: SandboxLimits, marker: str):
+    """Run `program`; check its grandchild really started; (result, wall seconds)."""
+    box: list = []
+    start = time.monotonic()
+    worker = threading.Thread(target=lambda: box.append(run_tool(program, b"", limits)))
+    worker.start()
+    seen = False
+    while worker.is_alive() and not seen:
+        seen = bool(_alive(marker))
+        time.sleep(0.02)
+    worker.join()
+    assert seen, "the grandchild never started: the test would prove nothing"
+    return box[0], time.monotonic() - start
+
+
+@pytest.mark.timeout(30)
+def test_calculator_runs_in_the_sandbox():
+    result = calc("47+38+96")
+    assert (result.status, result.text) == ("ok", "181")
+    refused = calc("__import__('os').system('touch /tmp/pwned')")
+    assert refused.status == "error" and "not allowed" in refused.text
+    assert calc("9**9**9").status == "error"
+    assert observation_body(calc("1/0")) == "error: division by zero"
+
+
+@pytest.mark.timeout(30)
+def test_cpu_spin_is_killed_with_its_process_group():
+    marker = f"pivot-test-{uuid.uuid4().hex}"
+    limits = SandboxLimits(timeout_s=2.0, cpu_s=1)
+    result, wall = _run_watching(_forks_sleeper(marker, "while True: pass"), limits, marker)
+    assert result.status == "timeout", result
+    assert wall < limits.timeout_s + GRACE_S
+    assert _gone(marker), "a process of the group outlived the call"
+
+
+@pytest.mark.timeout(30)
+def test_memory_bomb_is_stopped_with_its_process_group():
+    marker = f"pivot-test-{uuid.uuid4().hex}"
+    bomb = "x = []\nwhile True:\n    x.append(bytearray(1 << 24))"
+    limits = SandboxLimits(timeout_s=5.0, memory_mb=128)
+    result, wall = _run_watching(_forks_sleeper(marker, bomb), limits, marker)
+    assert result.status == "memory", result
+    assert wall < limits.timeout_s + GRACE_S
+    assert _gone(marker)
+
+
+@pytest.mark.timeout(30)
+def test_wall_deadline_kills_a_sleeping_group():
+    marker = f"pivot-test-{uuid.uuid4().hex}"
+    limits = SandboxLimits(timeout_s=0.8)
+    program = _forks_sleeper(marker, "import time; time.sleep(60)")
+    result, wall = _run_watching(program, limits, marker)
+    assert result.status == "timeout" and "0.8" in result.text
+    assert wall < limits.timeout_s + GRACE_S
+    assert _gone(marker)
+
+
+@pytest.mark.timeout(30)
+def test_leftovers_of_a_call_that_exited_are_killed():
+    marker = f"pivot-test-{uuid.uuid4().hex}"
+    program = _forks_sleeper(marker, "import time; time.sleep(0.3); print('done')")
+    result, _ = _run_watching(program, SandboxLimits(timeout_s=5.0), marker)
+    assert (result.status, result.text) == ("ok", "done")  # not a timeout: the grandchild
+    assert result.seconds < 5.0  # holding stdout open did not keep the call waiting
+    assert _gone(marker)
+
+
+CHILD_REPORT = r"""
+import json, os
+fds = []
+for fd in range(3, 64):
+    try:
+        os.fstat(fd)
+        fds.append(fd)
+    except OSError:
+        pass
+print(json.dumps({
+    "environ": open("/proc/self/environ", "rb").read().decode(),
+    "os_environ": dict(os.environ),
+    "fds": fds,
+    "cwd": os.getcwd(),
+    "cwd_mode": os.stat(".").st_mode & 0o777,
+    "cwd_entries": os.listdir("."),
+    "own_group": os.getpgid(0) == os.getpid(),
+    "own_session": os.getsid(0) == os.getpid(),
+}))
+"""
+
+
+@pytest.mark.timeout(30)
+def test_child_has_empty_environment_no_fds_and_private_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("PIVOT_TEST_SECRET", "hunter2")
+    leaked = os.open(os.devnull, os.O_RDONLY)
+    os.set_inheritable(leaked, True)  # even an inheritable descriptor must not reach it
+    try:
+        result = run_tool(CHILD_REPORT, b"", SandboxLimits(), workdir_root=str(tmp_path))
+    finally:
+        os.close(leaked)
+    assert result.status == "ok", result
+    report = json.loads(result.text)
+    assert report["environ"] == "" and report["os_environ"] == {}
+    assert report["fds"] == []
+    assert report["cwd_mode"] == 0o700 and report["cwd_entries"] == []
+    assert report["own_group"] and report["own_session"]
+    assert Path(report["cwd"]).parent == tmp_path
+    assert list(tmp_path.iterdir()) == []  # the working directory was removed
+
+
+@pytest.mark.timeout(30)
+def test_working_directory_is_removed_whatever_the_child_left(tmp_path):
+    program = "import os\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('x')\nos.chmod('a', 0)\n"
+    result = run_tool(program, b"", SandboxLimits(), workdir_root=str(tmp_path))
+    assert result.status == "ok", result
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("program", "status", "text"),
+    [
+        ("import sys\nwhile True: sys.stdout.write('x' * 65536)", "output_limit", "output"),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "crash", "SIGSEGV"),
+        ("import sys\nsys.exit(7)", "crash", "exit status 7"),
+        ("raise KeyError('boom')", "error", "KeyError"),
+        ("import sys\nprint('error: bad input')\nsys.exit(1)", "error", "bad input"),
+        ("open('big', 'wb').write(b'x' * (2 << 20))", "error", "the tool failed"),  # FSIZE
+    ],
+)
+def test_failures_become_statuses(program, status, text):
+    result = run_tool(program, b"", SandboxLimits(timeout_s=5.0))
+    assert result.status == status and text in result.text, result
+
+
+@pytest.mark.timeout(30)
+def test_network_isolation_when_available():
+    iso = detect_isolation()
+    assert iso is detect_isolation()  # probed once
+    if not iso.network:
+        pytest.skip(iso.detail)
+    program = (
+        "import socket\n"
+        "names = [l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]]\n"
+        "try:\n"
+        "    socket.create_connection(('1.1.1.1', 53), timeout=1)\n"
+        "    net = 'reachable'\n"
+        "except OSError:\n"
+        "    net = 'unreachable'\n"
+        "print(' '.join(names), net)\n"
+    )
+    result = run_tool(program, b"", SandboxLimits(), isolation=iso)
+    assert (result.status, result.text) == ("ok", "lo unreachable")
+
+
+@pytest.mark.timeout(30)
+def test_without_isolation_it_still_runs():
+    result = run_tool(
+        "print(6 * 7)", b"", SandboxLimits(), isolation=sandbox.no_isolation("turned off")
+    )
+    assert (result.status, result.text) == ("ok", "42")
+
+
+# ---------------------------------------------------------------------- the node's server
+def _tool(name: str, program: str) -> ToolSpec:
+    return ToolSpec(name=name, description=name, parameters=CALCULATOR_SCHEMA, program=program)
+
+
+@pytest.mark.timeout(30)
+def test_server_runs_calls_with_bounded_concurrency():
+    registry = ToolRegistry([calculator(), _tool("nap", "import time; time.sleep(0.4)")])
+    with SandboxServer(registry, SandboxLimits(), max_concurrent=2) as server:
+        start = time.monotonic()
+        for i in range(4):
+            server.submit(ToolCall(i, i, "nap", '{"expression": "1"}', 5.0))
+        server.submit(ToolCall(9, 9, "calculator", '{"expression": "47+38+96"}', 5.0))
+        server.submit(ToolCall(10, 9, "shell", "{}", 5.0))  # not declared: no child
+        server.submit(ToolCall(11, 9, "calculator", '{"expr": 1}', 5.0))  # schema
+        results = {}
+        while len(results) < 7:
+            results.update({r.call_id: r for r in server.poll()})
+            time.sleep(0.01)
+        wall = time.monotonic() - start
+        assert server.outstanding == 0
+    assert all(results[i].status == "ok" for i in range(4))
+    assert wall >= 0.8  # four 0.4 s naps, two at a time
+    assert (results[9].status, results[9].text) == ("ok", "181")
+    assert results[10].status == "error" and "unknown tool" in results[10].text
+    assert results[11].status == "error" and "missing required" in results[11].text
+
+
+@pytest.mark.timeout(30)
+def test_call_deadline_shortens_the_limit():
+    registry = ToolRegistry([_tool("nap", "import time; time.sleep(5)")])
+    with SandboxServer(registry, SandboxLimits(timeout_s=10.0)) as server:
+        result = server.call(ToolCall(1, 1, "nap", '{"expression": "1"}', 0.3))
+    assert result.status == "timeout" and result.seconds < 0.3 + GRACE_S
+
+
+@pytest.mark.timeout(30)
+def test_repeated_sandbox_deaths_mark_the_node_unhealthy_once():
+    lines: list[str] = []
+    registry = ToolRegistry(
+        [_tool("dies", "import os\nos.kill(os.getpid(), 9)"), _tool("fine", "print(1)")]
+    )
+    args = '{"expression": "1"}'
+    with SandboxServer(
+        registry, SandboxLimits(), unhealthy_after_failures=2, node=3, notify=lines.append
+    ) as server:
+        assert server.call(ToolCall(1, 1, "dies", args, 5.0)).status == "crash"
+        assert server.call(ToolCall(2, 1, "fine", args, 5.0)).status == "ok"  # resets
+        assert server.call(ToolCall(3, 1, "dies", args, 5.0)).status == "crash"
+        assert server.healthy
+        assert server.call(ToolCall(4, 1, "dies", args, 5.0)).status == "crash"
+        assert not server.healthy
+        after = server.call(ToolCall(5, 1, "fine", args, 5.0))
+        server.submit(ToolCall(6, 1, "fine", args, 5.0))
+        (queued,) = server.poll()
+    assert (after.status, after.seconds) == ("unavailable", 0.0)  # no child was started
+    assert queued.status == "unavailable"
+    assert len(lines) == 1 and "node 3" in lines[0] and "\n" not in lines[0]
+
+
+@pytest.mark.timeout(30)
+def test_preflight_passes_here_and_refuses_an_impossible_sandbox():
+    registry = build_registry(["calculator"])
+    assert preflight(registry, SandboxLimits()) is None
+    bad = preflight(registry, SandboxLimits(memory_mb=1))
+    assert bad is not None and "tools.enabled=false" in bad and "\n" not in bad
+
+
+def test_isolation_is_reported():
+    iso = detect_isolation()
+    print(f"network isolation: {iso.network} ({iso.detail}); python {sys.version.split()[0]}")
+    assert iso.detail
