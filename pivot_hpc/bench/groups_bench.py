@@ -1,7 +1,7 @@
 """`pivot-hpc bench groups [--admission all|pipeline] --json`: Figures 9, 11 and 14 from
 the simulator, side by side.
 
-Simulates each paper model group (`configs/sim/group*.yaml`, or --configs) in every static
+Simulates each paper model group (`configs/groups/group*.yaml`, or --configs) in every static
 mode (colocated, disaggregated, rr_colocated) and in pivot mode with each planner strategy
 (--strategies: the paper's `pivot`, our `pivot+`, the §8.4 ablations static, rule,
 vanilla), with and without elastic training for pivot and pivot+ (`+elastic`), and — with
@@ -12,7 +12,9 @@ override applies to the other modes). The simulator is deterministic for a seed:
 numbers are simulated throughput, not timings of this machine.
 
 JSON keys (a contract): `groups` → config stem → {`runs` → label → {`tokens_per_s`,
-`tokens_per_s_steady`, `tokens_per_s_bound`, `steady_over_bound`, `shifts`,
+`tokens_per_s_steady`, `tokens_per_s_bound`, `processed_tokens_per_s`,
+`processed_tokens_per_s_steady`, `processed_tokens_per_s_bound` (the same rates counting
+prompts and the GenRM's inputs, §8.1), `steady_over_bound`, `shifts`,
 `training_prewarms`, `tokens_per_s_critical_path`, `end_to_end_over_bounds`},
 `best_static` (label), `ratios` → pivot label → {`over_disaggregated`, `over_colocated`, `over_best_static`} (steady-state
 throughput ratios; with enough steps also `made_over_…`, the same of
@@ -52,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         nargs="*",
         default=None,
-        help="sim configs (default: configs/sim/group*.yaml)",
+        help="deployment configs (default: configs/groups/group*.yaml)",
     )
     p.add_argument("--admission", default="pipeline", choices=["all", "pipeline"])
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
@@ -76,18 +78,22 @@ def _label(mode: str, strategy: str, elastic: bool, horizon: float | None) -> st
 
 
 def _one(job: tuple[str, list[str]]) -> dict:
+    from pivot_hpc.bench.sim_rates import simulate_rates
     from pivot_hpc.config import load_config, validate_tree
-    from pivot_hpc.sim.run import simulate
 
     config, overrides = job
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, files=False)
     validate_tree(cfg)
-    s = simulate(cfg, None, progress=False)
+    s = simulate_rates(cfg)
     bound = s["tokens_per_s_bound"]
     return {
         "tokens_per_s": s["tokens_per_s"],
         "tokens_per_s_steady": s["tokens_per_s_steady"],
         "tokens_per_s_bound": bound,
+        # §8.1's count: prompts and the GenRM's inputs too (telemetry/summary.py)
+        "processed_tokens_per_s": s["processed_tokens_per_s"],
+        "processed_tokens_per_s_steady": s["processed_tokens_per_s_steady"],
+        "processed_tokens_per_s_bound": s["processed_tokens_per_s_bound"],
         "tokens_per_s_steady_made": s["tokens_per_s_steady_made"],
         # the work done while the pipeline runs full, not the steps' tokens: part of those
         # was made during the fill, and the bound is a rate of work
@@ -114,7 +120,7 @@ def _over_static(rate: dict[str, float], label: str, prefix: str) -> dict[str, f
 def run(args: argparse.Namespace) -> dict:
     from pivot_hpc.errors import UsageError
 
-    configs = args.configs or sorted((ROOT / "configs/sim").glob("group*.yaml"))
+    configs = args.configs or sorted((ROOT / "configs/groups").glob("group*.yaml"))
     for c in configs:
         if not Path(c).is_file():
             raise UsageError(f"--configs {c}: no such file")
@@ -178,6 +184,7 @@ def run(args: argparse.Namespace) -> dict:
                 [
                     "run",
                     "tok/s",
+                    "processed",
                     "steady",
                     "made",
                     "bound",
@@ -194,6 +201,7 @@ def run(args: argparse.Namespace) -> dict:
                     [
                         k,
                         f"{v['tokens_per_s']:.0f}",
+                        f"{v['processed_tokens_per_s']:.0f}",
                         f"{v['tokens_per_s_steady']:.0f}",
                         f"{v['tokens_per_s_steady_made'] or 0:.0f}",
                         f"{v['tokens_per_s_bound']:.0f}",

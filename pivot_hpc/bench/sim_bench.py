@@ -1,6 +1,6 @@
 """`pivot-hpc bench sim --gpus N --steps S`: wall time of a simulation at scale.
 
-Simulates the paper's group 4 (Qwen2.5-72B + Qwen3.5-122B-A10B, `configs/sim/group4-…`)
+Simulates the paper's group 4 (Qwen2.5-72B + Qwen3.5-122B-A10B, `configs/groups/group4-…`)
 scaled to N GPUs (allocations and batch proportional, `pivot-hpc simulate --gpus`) in
 pivot mode for S steps, without telemetry, on one core, and reports the wall time and the
 number of cluster events the coordinator handled. The scheduler's compiled loops are
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pivot_hpc.bench.stats import table
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/sim/group4-qwen72b-qwen122b.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/groups/group4-qwen72b-qwen122b.yaml"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,10 +31,12 @@ def run(args: argparse.Namespace) -> dict:
     from pivot_hpc.config import load_config, validate_tree
     from pivot_hpc.sim.run import scale_to, simulate
 
-    warm = load_config(str(args.config), [f"deployment.mode={args.mode}", "loop.steps=1"])
+    warm = load_config(
+        str(args.config), [f"deployment.mode={args.mode}", "loop.steps=1"], files=False
+    )
     simulate(scale_to(warm, 64), None, progress=False)  # compile the scheduler loops
     cfg = load_config(
-        str(args.config), [f"deployment.mode={args.mode}", f"loop.steps={args.steps}"]
+        str(args.config), [f"deployment.mode={args.mode}", f"loop.steps={args.steps}"], files=False
     )
     cfg = scale_to(cfg, args.gpus)
     validate_tree(cfg)

@@ -65,6 +65,11 @@ RESUMABLE_KEYS = (
     "reward.throughput.",
     "engines.rollout.throughput_profile",
     "engines.reward.throughput_profile",
+    # the simulator's section: a live run does not read it (and checkpoints written before
+    # its keys moved to the live sections, configs/groups/, still resume)
+    "sim.",
+    "models.policy_catalog",
+    "models.genrm_catalog",
 )
 
 

@@ -22,6 +22,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "pivot_hpc.bench.groups_bench",
         "paper groups in every mode and strategy, simulated: Figures 9, 11, 14",
     ),
+    "paper": (
+        "pivot_hpc.bench.paper_bench",
+        "Figure 9's sixteen cells simulated beside the paper's; batch-size sensitivity",
+    ),
     "live": (
         "pivot_hpc.bench.live_bench",
         "live tiny run: pivot vs the static modes, side by side",

@@ -42,11 +42,13 @@ def run(args: argparse.Namespace) -> int:
         if args.sources:
             for key, src in row["sources"].items():
                 print(f"      {key}: {src}")
-    print("\nchecks: per-iteration latency predicted vs measured")
+    print("\nchecks: per-iteration latency predicted vs measured (fit: a calibration input;")
+    print("held out: an out-of-sample check, its miss reported, never fitted)")
     for c in t["checks"]:
+        kind = "fit" if c["fitted"] else "held out"
         print(
-            f"  {c['name']:<18} {c['predicted_s'] * 1e3:7.2f} ms vs {c['measured_s'] * 1e3:7.2f}"
-            f" ms  ({c['ratio']:.2f}x)  {c['source']}"
+            f"  {c['name']:<30} {kind:<8} {c['predicted_s'] * 1e3:7.2f} ms vs "
+            f"{c['measured_s'] * 1e3:7.2f} ms  ({c['ratio']:.2f}x)  {c['source']}"
         )
     print("\nreferences")
     for k, v in t["references"].items():

@@ -22,7 +22,7 @@ from pivot_hpc.config.loader import apply_overrides, load_yaml
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML run config (configs/gpu/*.yaml, configs/sim/*.yaml, …)")
+    p.add_argument("config", help="YAML run config (configs/groups/*.yaml, configs/tiny.yaml, …)")
     p.add_argument("--json", action="store_true", help="the plan as JSON (keys per role)")
     p.add_argument(
         "--source",

@@ -15,7 +15,9 @@ from pivot_hpc.config import load_config, validate_tree
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML run config (e.g. configs/sim/group2-qwen7b-qwen30b.yaml)")
+    p.add_argument(
+        "config", help="YAML run config (e.g. configs/groups/group2-qwen7b-qwen30b.yaml)"
+    )
     p.add_argument(
         "--mode",
         choices=["colocated", "disaggregated", "rr_colocated", "pivot"],
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"loop.steps={args.steps}")
     if args.seed is not None:
         overrides.append(f"sim.seed={args.seed}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, files=False)  # no weights or data read
     if args.gpus is not None:
         cfg = scale_to(cfg, args.gpus)
         validate_tree(cfg)

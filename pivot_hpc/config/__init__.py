@@ -16,12 +16,19 @@ from pivot_hpc.config.schema import Config
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    files: bool = True,
 ) -> Config:
-    """Load a YAML file (or the defaults), apply `a.b=c` overrides, validate once."""
+    """Load a YAML file (or the defaults), apply `a.b=c` overrides, validate once.
+    `files=False`: the config as the simulator reads it, `Config.without_files` (model
+    directories and datasets need not exist here)."""
     data = load_yaml(path) if path is not None else {}
     apply_overrides(data, overrides, root=Config)
     cfg = from_dict(Config, data)
+    if not files:
+        cfg = cfg.without_files()
     validate_tree(cfg)
     return cfg
 

@@ -227,6 +227,8 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         )
     table = _field_table(cls)
     unknown = sorted(set(data) - set(table), key=str)  # YAML keys may be ints too
+    for key in unknown:
+        _refuse_moved(cls, key, _join(path, str(key)), "")
     if unknown:
         where = f"section '{path}'" if path else "the top level"
         valid = ", ".join(sorted(table))
@@ -240,6 +242,17 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"config key '{_join(path, name)}' is required but missing")
     return cls(**kwargs)
+
+
+def _refuse_moved(cls: type, key: Any, here: str, prefix: str) -> None:
+    """A key that moved to another section (a dataclass's MOVED_KEYS: old name → where it
+    lives now) fails with one line naming the new key, not with the list of valid ones."""
+    moved = getattr(cls, "MOVED_KEYS", {}).get(key)
+    if moved is not None:
+        raise ConfigError(
+            f"{prefix}config key '{here}' moved: set {moved} instead (one config describes a "
+            "deployment for pivot-hpc run, simulate and plan alike)"
+        )
 
 
 def to_dict(obj: Any) -> Any:
@@ -307,6 +320,7 @@ def apply_overrides(data: dict, overrides: Iterable[str], root: type | None = No
             if cls is not None and dataclasses.is_dataclass(cls):
                 table = _field_table(cls)
                 if key not in table:
+                    _refuse_moved(cls, key, here, f"override {short_repr(text)}: ")
                     raise ConfigError(
                         f"override {short_repr(text)}: unknown key '{here}'; valid keys at this level: "
                         f"{', '.join(sorted(table))}"

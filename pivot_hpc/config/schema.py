@@ -5,6 +5,7 @@ Field docs are the user documentation of each key; docs/guide/configuration.md s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,7 +30,8 @@ class ClusterConfig:
     gpus_per_node: int = 4  # GPUs per node (on CPU: worker processes per node)
     # The GPU model of the nodes (the catalog's names: `pivot-hpc calibration`). When set,
     # `pivot-hpc run`/`submit` check the memory plan (`pivot-hpc plan`) before launch and
-    # refuse a config that does not fit; None = not checked (CPU runs).
+    # refuse a config that does not fit; None = not checked (CPU runs). `pivot-hpc
+    # simulate` costs this GPU (None: h20, the paper's).
     gpu: Literal["h20", "h100", "h200"] | None = None
     # Memory of one GPU, GiB, for a GPU the catalog does not list (or to override its
     # size); 0 = the catalog's size of cluster.gpu. Set either to check the plan.
@@ -206,7 +208,7 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)  # GRPO, trainer, rewards, datasets
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
-    sim: SimConfig = field(default_factory=SimConfig)
+    sim: SimConfig = field(default_factory=SimConfig)  # the simulator's synthetic workload
     gps: GPSConfig = field(default_factory=GPSConfig)  # Global Parameter Storage (§5.1)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # docs/design.md §9
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow
@@ -236,6 +238,29 @@ class Config:
             _check_gpu_ids("training.gpus", tr.gpus, n)
         elif tr.num_gpus > n:
             fail("training.num_gpus", tr.num_gpus, f"the cluster has only {n} GPUs")
+        from pivot_hpc.sim.settings import MODEL_OF_ROLE, model_problem
+
+        for role, key in MODEL_OF_ROLE.items():
+            name = getattr(self.models, f"{key}_catalog")
+            problem = model_problem(self, role) if name is not None else None
+            if problem is not None:
+                raise ConfigError(f"config key 'models.{key}_catalog' = {name!r}: {problem}")
+
+    def without_files(self) -> Config:
+        """The same deployment with nothing that must exist on this machine: each model
+        directory replaced by the catalog model it names (models.<role>_catalog), the
+        datasets by the synthetic task. What `pivot-hpc simulate` reads (it costs models,
+        it loads no weights and no data), so a deployment's config simulates anywhere."""
+        m = self.models
+        models = dataclasses.replace(
+            m,
+            policy_path=None,
+            genrm_path=None,
+            policy_catalog=m.catalog("policy"),
+            genrm_catalog=m.catalog("genrm"),
+        )
+        data = dataclasses.replace(self.rl.data, train="synthetic", validation="synthetic")
+        return dataclasses.replace(self, models=models, rl=dataclasses.replace(self.rl, data=data))
 
     def training_gpus(self) -> list[int]:
         """The GPUs training runs on — the one place that decides it per mode: colocated

@@ -1,11 +1,12 @@
-"""The one way to build a coordinator from a config: the simulator and the live run both
-call `build` (docs/design.md §2: one brain, two clusters).
+"""The one way to build a job from a config: `build(cfg, backend)` (docs/design.md §2: one
+brain, two clusters). The simulator, the live run, the benches and the tests all call it.
 
-What differs between them is passed in: the cluster, the replicas' throughput models and
-KV capacities (catalog costs in the simulator, engine profiles live), where samples come
-from and how they are rewarded. Everything the config decides — which GPUs train in each
-mode, the mode object, the RL bookkeeping, scheduler options, the telemetry header — is
-decided here once.
+What differs between a simulated and a live job comes from its backend (coordinator/job.py):
+the cluster, the replicas' throughput models and KV capacities (catalog costs in the
+simulator, engine profiles live), where samples come from and how they are rewarded,
+resume, telemetry and the hooks around the loop. Everything the config decides — which
+GPUs train in each mode, the mode object, the RL bookkeeping, scheduler options, the
+telemetry header — is decided here once.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pivot_hpc.config import Config
-from pivot_hpc.coordinator.cluster import Cluster
-from pivot_hpc.coordinator.coordinator import Coordinator, Rewarder
+from pivot_hpc.coordinator.coordinator import Coordinator
+from pivot_hpc.coordinator.job import Backend, Costs, Job
 from pivot_hpc.coordinator.modes import make_mode
-from pivot_hpc.coordinator.monitor import MeasuredTrainingTime, TrainingTime
+from pivot_hpc.coordinator.monitor import MeasuredTrainingTime
 from pivot_hpc.coordinator.rl_state import RLState, SampleSource
 from pivot_hpc.planner import Topology
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES
@@ -25,7 +26,7 @@ from pivot_hpc.scheduler import BusyModel, ReplicaModel, ThroughputModel
 from pivot_hpc.scheduler.admission import PipelineAdmission
 
 if TYPE_CHECKING:
-    from pivot_hpc.telemetry import TelemetryWriter
+    pass
 
 
 def strategy(cfg: Config) -> str:
@@ -72,14 +73,9 @@ def topology(
 
 
 def configured_topology(cfg: Config) -> Topology:
-    """The topology with the config's own throughput constants and KV capacities (the live
-    run, after engine profiles filled them in; the simulator passes catalog costs)."""
-    return topology(
-        cfg,
-        models={r: ThroughputModel(*_constants(cfg, r)) for r in INFERENCE_ROLES},
-        kv_capacity={r: getattr(cfg, r).kv_capacity_tokens for r in INFERENCE_ROLES},
-        training_tp=cfg.rl.trainer.tp,
-    )
+    """The topology `build` makes for `cfg` with its own constants (`pivot-hpc trace`)."""
+    c = configured_costs(cfg)
+    return topology(cfg, models=c.models, kv_capacity=c.kv_capacity, training_tp=c.training_tp)
 
 
 def _constants(cfg: Config, role: str) -> tuple[float, float, float, float]:
@@ -99,38 +95,58 @@ def rl_state(cfg: Config, source: SampleSource) -> RLState:
     )
 
 
-def build(
-    cfg: Config,
-    *,
-    cluster: Cluster,
-    topology: Topology,
-    rl: RLState,
-    rewarder: Rewarder,
-    telemetry: TelemetryWriter | None = None,
-    training_time: TrainingTime | None = None,
-) -> Coordinator:
-    """The coordinator of `cfg` over `cluster` (`rl` may already hold a resumed state).
-    `training_time`: the step-time model elastic training sizes steps with (the
-    simulator's catalog; live, measured steps when None)."""
-    return Coordinator(
+def build(cfg: Config, backend: Backend) -> Job:
+    """The job of `cfg` on `backend`, ready to run: nothing is set on it afterwards."""
+    cfg = backend.configure(cfg)
+    costs = backend.costs(cfg)
+    topo = topology(
+        cfg,
+        models=costs.models,
+        kv_capacity=costs.kv_capacity,
+        training_tp=costs.training_tp,
+        prefill_s_per_token=costs.prefill_s_per_token,
+    )
+    source, rewarder = backend.samples(cfg)
+    cluster = backend.cluster(cfg, topo, source)
+    rl = rl_state(cfg, source)
+    resumed = backend.restore(cluster, rl)  # before the header: it records the resume
+    meta = run_meta(cfg, rl, simulated=backend.simulated, **backend.meta(cfg, rl, costs), **resumed)
+    writer = backend.telemetry(meta)
+    hooks = backend.hooks(cfg, cluster, writer)
+    coord = Coordinator(
         cluster=cluster,
-        topology=topology,
+        topology=topo,
         rl=rl,
-        mode=make_mode(cfg, list(topology.training_gpus)),
-        capacity={r: topology.roles[r].kv_capacity for r in INFERENCE_ROLES},
+        mode=make_mode(cfg, list(topo.training_gpus)),
+        capacity={r: topo.roles[r].kv_capacity for r in INFERENCE_ROLES},
         rewarder=rewarder,
-        telemetry=telemetry,
+        telemetry=writer,
+        hooks=hooks,
         tick_s=cfg.loop.monitor_interval_s,
         priority=cfg.scheduler.priority,
         migration=cfg.scheduler.migration and not is_vanilla(cfg),
         refit_shift_time=cfg.planner.refit_shift_time,
         refit_throughput=cfg.planner.refit_throughput and not is_vanilla(cfg),
-        training_time=training_time or MeasuredTrainingTime(),
+        training_time=costs.training_time or MeasuredTrainingTime(),
         strategy=strategy(cfg),
         admission=PipelineAdmission(rl.staleness, rl.batch_size)
         if cfg.scheduler.admission == "pipeline"
         else None,
         rebalance=cfg.scheduler.rebalance,
+    )
+    backend.ready(coord)
+    return Job(
+        cfg=cfg, coordinator=coord, cluster=cluster, meta=meta, telemetry=writer, hooks=hooks
+    )
+
+
+def configured_costs(cfg: Config) -> Costs:
+    """The config's own throughput constants and KV capacities (the live run, after engine
+    profiles filled them in; the simulator uses catalog costs)."""
+    return Costs(
+        models={r: ThroughputModel(*_constants(cfg, r)) for r in INFERENCE_ROLES},
+        kv_capacity={r: getattr(cfg, r).kv_capacity_tokens for r in INFERENCE_ROLES},
+        training_tp=cfg.rl.trainer.tp,
     )
 
 

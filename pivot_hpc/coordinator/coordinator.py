@@ -22,6 +22,7 @@ from pivot_hpc.coordinator.events import (
     TrainingDone,
     WeightsUpdated,
 )
+from pivot_hpc.coordinator.hooks import Hooks
 from pivot_hpc.coordinator.mode_api import Mode
 from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock, TrainingTime
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState, Sample
@@ -86,7 +87,7 @@ class Coordinator:
         tick_s: float = 1.0,
         priority: str = "seq_id",
         migration: bool = True,
-        on_step: Callable[[int, dict[str, float]], None] | None = None,
+        hooks: Hooks | None = None,
         refit_shift_time: bool = False,
         refit_throughput: bool = False,
         training_time: TrainingTime | None = None,
@@ -102,7 +103,7 @@ class Coordinator:
         self.rewarder = rewarder
         self.telemetry: TelemetryWriter | NullTelemetry = telemetry or NullTelemetry()
         self.tick_s = tick_s
-        self.on_step = on_step
+        self.hooks = hooks or Hooks()  # checkpoints, step log, stop requests (hooks.py)
         self.schedulers = {
             r: Scheduler(r, priority=priority, migration=migration) for r in INFERENCE_ROLES
         }
@@ -118,10 +119,9 @@ class Coordinator:
         self.last_step_end = 0.0
         # no event for this long while work remains (and no training step runs): a bug
         self.stall_s = 3600.0
-        # Graceful stop (a signal): once `stop_requested()` is true the coordinator drains —
-        # no new rollouts, dispatches, shifts or training — until no training step runs,
-        # then `run` returns with `stopped` set, leaving a state a checkpoint can hold.
-        self.stop_requested: Callable[[], bool] = lambda: False
+        # Graceful stop (a signal): once `hooks.stop_requested()` is true the coordinator
+        # drains — no new rollouts, dispatches, shifts or training — until no training step
+        # runs, then `run` returns with `stopped` set, leaving a state a checkpoint can hold.
         self.draining = False
         self.stopped = False
         # The monitor's refits (monitor.py): τ_shift from measured shifts (the shift
@@ -149,7 +149,7 @@ class Coordinator:
         next_tick = self.cluster.now()
         last_event = next_tick
         while not self.rl.done:
-            if not self.draining and self.stop_requested():
+            if not self.draining and self.hooks.stop_requested():
                 self.draining = True
             if self.draining and not self.training.busy:
                 self.stopped = True
@@ -245,15 +245,15 @@ class Coordinator:
         if self.draining or self.shifts.hold_dispatch:
             return
         for seq_id, rid in self.schedulers[role].dispatch():
-            self._start(role, rid, seq_id)
+            self.start_sequence(role, rid, seq_id)
 
-    def _start(self, role: str, rid: str, seq_id: int) -> None:
+    def start_sequence(self, role: str, rid: str, seq_id: int) -> None:
         s = self.samples[seq_id]
         if role == "rollout" and s.version_start < 0:
             s.version_start = self.shifts.replica_version.get(rid, self.rl.version)
         self.cluster.start(rid, s, role)
 
-    def _finish_early(self, ev: SequenceFinished) -> None:
+    def finish_early(self, ev: SequenceFinished) -> None:
         """Handle a finish found by a too-late abort; skip it if it is delivered again."""
         self._on_finished(ev)
         self._finished.add((ev.role, ev.seq_id, ev.t))
@@ -425,23 +425,22 @@ class Coordinator:
         self.telemetry.flush()
         for s in batch:
             del self.samples[s.sample_id]
-        if self.on_step is not None:
-            self.on_step(
-                ev.step,
-                {
-                    "reward": mean,
-                    "filtered_groups": float(self.rl.filtered.get(ev.step, 0)),
-                    "t": ev.t,
-                    "start": log.start,
-                    "rollout_tokens": log.rollout_tokens,
-                    "reward_tokens": log.reward_tokens,
-                    **ev.metrics,
-                },
-            )
+        self.hooks.on_step(
+            self,
+            ev.step,
+            {
+                "reward": mean,
+                "filtered_groups": float(self.rl.filtered.get(ev.step, 0)),
+                "t": ev.t,
+                "start": log.start,
+                "rollout_tokens": log.rollout_tokens,
+                "reward_tokens": log.reward_tokens,
+                **ev.metrics,
+            },
+        )
         for rid in list(self.schedulers["rollout"].replicas):
             if rid not in self.shifts.shifting:
-                self.cluster.update_weights(rid, self.rl.version)
-                self.shifts.replica_version[rid] = self.rl.version
+                self.shifts.send_version(rid)
         self.release()
         self.maybe_train()
 

@@ -48,9 +48,9 @@ class ShiftHost(Protocol):
 
     def maybe_train(self) -> None: ...
 
-    def _start(self, role: str, rid: str, seq_id: int) -> None: ...
+    def start_sequence(self, role: str, rid: str, seq_id: int) -> None: ...
 
-    def _finish_early(self, ev: SequenceFinished) -> None: ...
+    def finish_early(self, ev: SequenceFinished) -> None: ...
 
 
 class ShiftExecutor:
@@ -174,12 +174,12 @@ class ShiftExecutor:
             self.hold_dispatch = True
             try:
                 for ev in finished:
-                    self.c._finish_early(ev)
+                    self.c.finish_early(ev)
             finally:
                 self.hold_dispatch = False
             res = sched.shift_down(group)
             for seq_id, rid in res.dispatched:
-                self.c._start(role, rid, seq_id)
+                self.c.start_sequence(role, rid, seq_id)
             self._log_migration(role, "down", res, abort_s)
             for rid in group:
                 self.shifting[rid] = "down"
@@ -238,14 +238,19 @@ class ShiftExecutor:
                     self.c.training.extensions.add(rid)
                 self.c.maybe_train()
             else:
-                if (
-                    role == "rollout"
-                    and self.up_version.pop(rid, self.c.rl.version) < self.c.rl.version
-                ):
-                    self.c.cluster.update_weights(rid, self.c.rl.version)  # trained while it read
-                self.replica_version[rid] = self.c.rl.version
+                if role == "rollout":  # a step trained while it read: load that policy
+                    self.send_version(rid, have=self.up_version.pop(rid, self.c.rl.version))
                 self._arrived.setdefault(role, []).append(rid)
         self._log_allocation()
+
+    def send_version(self, rid: str, have: int | None = None) -> None:
+        """The one place a rollout replica is told the current policy version (it loads
+        it from GPS before it decodes anything else; commands reach it in order). `have`:
+        the version it is known to hold — nothing is sent when that is current."""
+        version = self.c.rl.version
+        if have is None or have < version:
+            self.c.cluster.update_weights(rid, version)
+        self.replica_version[rid] = version
 
     def activate_arrived(self) -> None:
         """Alg. 4 once per role for every replica that finished shifting up at this instant."""
@@ -257,9 +262,7 @@ class ShiftExecutor:
                 # a step that ended after its shift completed (the same batch of events)
                 # updated only the replicas the scheduler had: load that policy before
                 # anything is dispatched here (commands reach it in order)
-                if self.replica_version.get(rid, self.c.rl.version) < self.c.rl.version:
-                    self.c.cluster.update_weights(rid, self.c.rl.version)
-                    self.replica_version[rid] = self.c.rl.version
+                self.send_version(rid, have=self.replica_version.get(rid, self.c.rl.version))
             sched = self.c.schedulers[role]
             if sched.n_running:
                 sched.set_lengths(self.c.cluster.lengths(role))
@@ -299,11 +302,11 @@ class ShiftExecutor:
         if lengths:
             sched.set_lengths(lengths)
         for ev in finished:  # the scheduler already moved it: finish it where it is now
-            self.c._finish_early(dataclasses.replace(ev, rid=sched.location(ev.seq_id)))
+            self.c.finish_early(dataclasses.replace(ev, rid=sched.location(ev.seq_id)))
         done = {ev.seq_id for ev in finished}
         for seq_id, dst in starts.items():
             if seq_id not in done:
-                self.c._start(role, dst, seq_id)
+                self.c.start_sequence(role, dst, seq_id)
         self._log_migration(role, kind, res, abort_s)
         return len(starts)
 

@@ -53,11 +53,13 @@ nothing else) and tests/engines/test_megatron_engine.py (the engine has all of i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+
+from pivot_hpc.rl.batch import TrainBatch  # the RL side owns the batch; engines train on it
 
 Tensors = dict[str, torch.Tensor]
 FinishReason = Literal["stop", "length", "abort"]
@@ -174,23 +176,6 @@ class InferenceEngine(Protocol):
     def set_rng_state(self, state: Any) -> None: ...
 
     def close(self) -> None: ...
-
-
-@dataclass(slots=True)
-class TrainBatch:
-    """Trajectories for one optimizer step. Sequence i is `prompt_ids[i] + response_ids[i]`;
-    the loss covers response tokens only."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    advantages: list[float] = field(default_factory=list)  # GRPO: one per sequence
-    old_logprobs: list[list[float]] | None = None  # rollout logprobs (behaviour policy)
-    ref_logprobs: list[list[float]] | None = None  # for the optional KL term
-    versions: list[int] | None = None  # policy version that generated each sequence
-    truncated: list[bool] | None = None  # True: cut at the length limit (no loss if masked)
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
 
 
 @runtime_checkable

@@ -103,6 +103,26 @@ class ModelsConfig:
     # When set, they replace the tiny generated policy / GenRM above.
     policy_path: Path | None = None
     genrm_path: Path | None = None  # (the GenRM's directory)
+    # The catalog model (`pivot-hpc calibration` lists them) each role is: what `pivot-hpc
+    # simulate` costs and `pivot-hpc plan` sizes. None = the one its directory above names
+    # (/models/Qwen2.5-7B-Instruct → qwen2.5-7b), so a deployment with model directories
+    # names each model once; set it for a directory named otherwise, or with no directory
+    # (the simulator then assumes the paper's group 2: qwen2.5-7b and qwen3-30b-a3b). A name
+    # outside the catalog needs engines.<role>.throughput_profile with a `model:` section.
+    policy_catalog: str | None = None
+    genrm_catalog: str | None = None  # (the GenRM's catalog model)
+
+    def catalog(self, role: str) -> str | None:
+        """The catalog name of `role`'s model ("policy" or "genrm"): `<role>_catalog`,
+        else what its directory's name denotes (the directory name itself when the catalog
+        has no such model), else None (no model named)."""
+        name = getattr(self, f"{role}_catalog")
+        if name is not None:
+            return name
+        d = getattr(self, f"{role}_path")
+        if d is None:
+            return None
+        return catalog_key(Path(d).name) or Path(d).name
 
     def validate(self, path: str) -> None:
         for name in ("policy_path", "genrm_path"):
@@ -114,6 +134,18 @@ class ModelsConfig:
                     "not a Hugging Face model directory (no config.json): give the local "
                     "directory of the model's weights, config and tokenizer",
                 )
+
+
+def catalog_key(dirname: str) -> str | None:
+    """The catalog model a directory name denotes: the name itself or a variant of it
+    ("Qwen2.5-7B-Instruct" → qwen2.5-7b, "GLM-Z1-9B-0414" → glm-z1-9b)."""
+    from pivot_hpc.sim.catalog import MODELS
+
+    name = dirname.lower()
+    for key in sorted(MODELS, key=len, reverse=True):
+        if name == key or name.startswith(key + "-"):
+            return key
+    return None
 
 
 def cache_root(cache_dir: Path | str | None = None) -> Path:

@@ -7,10 +7,11 @@ Two sources give the same record:
   simulator's catalog, sim/catalog.py, else read from the directory's config.json), or
   from the tiny architectures of `models.policy.arch` / `models.genrm.arch`. The GPU is
   `cluster.gpu` (catalog) or `cluster.gpu_memory_gib`; neither = capacity unknown.
-- `sim_inputs(cfg)`: the simulator's twin of a `configs/sim/` config: models, hardware,
-  training tp and recompute from its `sim:` section; training as sim/catalog.py costs it
-  (veRL-style: fused attention, sharded optimizer state, one sequence per micro-batch);
-  engines as its calibration sizes them (SGLang at the calibrated HBM fraction).
+- `sim_inputs(cfg)`: the simulator's twin of the same config (`--source sim`): models,
+  GPU, training tp and recompute as the simulator reads them (sim/settings.py); training as
+  sim/catalog.py costs it (veRL-style: fused attention, sharded optimizer state, one
+  sequence per micro-batch); engines as its calibration sizes them (SGLang at the
+  calibrated HBM fraction).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from pivot_hpc.config.schema import Config
 from pivot_hpc.errors import PivotError
-from pivot_hpc.models.config import ModelConfig
+from pivot_hpc.models.config import ModelConfig, catalog_key
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, ModelSpec
 
 GIB = 1 << 30
@@ -113,16 +114,6 @@ def spec_from_arch(name: str, arch: ModelConfig) -> ModelSpec:
     )
 
 
-def catalog_key(dirname: str) -> str | None:
-    """The catalog model a directory name denotes: the name itself or a variant of it
-    ("Qwen2.5-7B-Instruct" → qwen2.5-7b, "GLM-Z1-9B-0414" → glm-z1-9b)."""
-    name = dirname.lower()
-    for key in sorted(MODELS, key=len, reverse=True):
-        if name == key or name.startswith(key + "-"):
-            return key
-    return None
-
-
 def spec_from_hf_config(name: str, c: dict) -> tuple[ModelSpec, int | None]:
     """A model outside the catalog from its config.json (dense or Qwen-MoE fields)."""
     heads = int(c["num_attention_heads"])
@@ -146,12 +137,15 @@ def spec_from_hf_config(name: str, c: dict) -> tuple[ModelSpec, int | None]:
     return spec, int(max_pos) if max_pos else None
 
 
-def resolve_model(path: Path | None, arch: ModelConfig, key: str) -> tuple[ModelSpec, int | None]:
-    """(spec, max positions or None) of one role's model; bf16 weights unless generated."""
+def resolve_model(
+    path: Path | None, arch: ModelConfig, key: str, catalog: str | None = None
+) -> tuple[ModelSpec, int | None]:
+    """(spec, max positions or None) of one role's model; bf16 weights unless generated.
+    `catalog`: models.<role>_catalog, the catalog model the directory holds."""
     if path is None:
         name = f"tiny {key.split('.')[-1].removesuffix('_path')}"
         return spec_from_arch(name, arch), arch.max_position_embeddings
-    found = catalog_key(Path(path).name)
+    found = catalog if catalog in MODELS else catalog_key(Path(path).name)
     if found is not None:
         return MODELS[found], None
     config = Path(path) / "config.json"
@@ -242,8 +236,12 @@ def live_inputs(cfg: Config) -> PlanInputs:
         or "cuda" in (ec.rollout.device, ec.reward.device)
     )
     m = cfg.models
-    policy, policy_pos = resolve_model(m.policy_path, m.policy.arch, "models.policy_path")
-    genrm, genrm_pos = resolve_model(m.genrm_path, m.genrm.arch, "models.genrm_path")
+    policy, policy_pos = resolve_model(
+        m.policy_path, m.policy.arch, "models.policy_path", m.policy_catalog
+    )
+    genrm, genrm_pos = resolve_model(
+        m.genrm_path, m.genrm.arch, "models.genrm_path", m.genrm_catalog
+    )
     generated = m.policy_path is None  # created models are fp32 (models/qwen2.py)
     nbytes = 4 if generated else 2
     rl = cfg.rl
@@ -296,29 +294,25 @@ def live_inputs(cfg: Config) -> PlanInputs:
 
 
 # --------------------------------------------------------------------------- sim
-def _sim_model(name: str, profile: str | None) -> ModelSpec:
-    if name in MODELS:
-        return MODELS[name]
-    from pivot_hpc.sim.catalog import model_from_profile
-
-    return model_from_profile(name, profile or "")
-
-
 def sim_inputs(cfg: Config) -> PlanInputs:
-    """The simulator's twin of a config (its `sim:` section), sized as the simulator
-    costs it."""
+    """The simulator's twin of a config, sized as the simulator costs it (sim/settings.py:
+    the same models, GPU, training tp and recompute, caps and running cap)."""
     from pivot_hpc.sim.calibration import calibration
-    from pivot_hpc.sim.catalog import CatalogError, inference_costs
+    from pivot_hpc.sim.catalog import CatalogError, inference_costs, model_from_profile
+    from pivot_hpc.sim.settings import sim_settings
 
-    s = cfg.sim
+    s = sim_settings(cfg)
     gpu = s.hardware
     hw = HARDWARE[gpu]
     cal = calibration(gpu)
     usable = cal.engine.hbm_usable.value
-    max_running = s.max_running_requests or int(cal.engine.max_running_requests.value)
     w = s.workload
-    policy = _sim_model(s.policy_model, s.rollout_profile)
-    genrm = _sim_model(s.reward_model, s.reward_profile)
+
+    def model(role: str) -> ModelSpec:
+        name, profile = s.models[role], s.profiles[role]
+        return MODELS[name] if name in MODELS else model_from_profile(name, profile or "")
+
+    policy, genrm = model("rollout"), model("reward")
 
     def engine(role: str, spec: ModelSpec, longest: int) -> EngineInputs:
         tp = getattr(cfg, role).tp
@@ -333,7 +327,7 @@ def sim_inputs(cfg: Config) -> PlanInputs:
             engine="sglang",
             bytes_per_param=2,
             kv_capacity_tokens=kv,
-            max_batch=max_running,
+            max_batch=s.max_running[role],
             max_seq_len=longest,
             prefill_chunk_tokens=getattr(cfg.engines, role).prefill_chunk_tokens,
             mem_fraction_static=usable,
@@ -355,7 +349,7 @@ def sim_inputs(cfg: Config) -> PlanInputs:
             micro_batch=1,
             seq_len=longest,
             attention="sdpa",
-            recompute="full" if s.activation_recompute else "none",
+            recompute="full" if s.terms.activation_recompute else "none",
             distributed_optimizer=True,
         ),
         elastic=False,

@@ -13,10 +13,10 @@ from typing import Any
 
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.data.problem import Problem
-from pivot_hpc.engines.base import SamplingParams, SeqResult, TrainBatch
+from pivot_hpc.engines.base import SamplingParams, SeqResult
 from pivot_hpc.models.tokenizer import decode_response, encode_prompt
+from pivot_hpc.rl.batch import TrainBatch, Trajectory, assemble
 from pivot_hpc.rl.config import RLConfig
-from pivot_hpc.rl.grpo import group_advantages
 from pivot_hpc.rl.rewards import (
     GenRMStats,
     genrm_prompt,
@@ -87,17 +87,20 @@ class LiveSamples:
         return rc.verifiable_weight * rv + shaped, rc.genrm_weight * rg
 
     def batch(self, samples: list[Sample]) -> TrainBatch:
-        rewards = [s.reward for s in samples]
-        adv = group_advantages(
-            rewards, [s.prompt_index for s in samples], normalize_std=self.cfg.grpo.normalize_std
-        )
-        return TrainBatch(
-            prompt_ids=[s.payload.prompt_ids for s in samples],
-            response_ids=[s.payload.response.token_ids for s in samples],
-            advantages=adv,
-            old_logprobs=[s.payload.response.logprobs for s in samples],
-            versions=[s.payload.response.version for s in samples],
-            truncated=[s.payload.response.finish_reason == "length" for s in samples]
-            if self.cfg.grpo.mask_truncated
-            else None,
+        """The step's batch (rl/batch.py decides advantages and masks; this says where
+        each sample's tokens are)."""
+        return assemble(
+            [
+                Trajectory(
+                    prompt_index=s.prompt_index,
+                    reward=s.reward,
+                    prompt_ids=s.payload.prompt_ids,
+                    response_ids=s.payload.response.token_ids,
+                    logprobs=s.payload.response.logprobs,
+                    version=s.payload.response.version,
+                    truncated=s.payload.response.finish_reason == "length",
+                )
+                for s in samples
+            ],
+            self.cfg.grpo,
         )

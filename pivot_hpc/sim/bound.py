@@ -42,12 +42,12 @@ import numpy as np
 from pivot_hpc.config import Config
 from pivot_hpc.coordinator import build as builder
 from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
-from pivot_hpc.sim.workload import SimWorkload
+from pivot_hpc.sim.settings import sim_workload
 
 
 def drawn_lengths(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt, response, judgement) lengths of every sample the run releases."""
-    rl = builder.rl_state(cfg, SimWorkload(cfg.sim.workload, cfg.sim.seed))
+    rl = builder.rl_state(cfg, sim_workload(cfg))
     rl.staleness = cfg.loop.steps  # release every batch up front, untrained
     rows = [
         (s.prompt_len, s.payload.response_len, s.payload.judgement_len)

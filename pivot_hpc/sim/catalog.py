@@ -252,6 +252,7 @@ class InferenceCosts:
     decode: DecodeCost | None = None  # the engine itself (None: follow `model` exactly)
     max_running: int = 0  # running-request cap of one replica (0: none)
     sources: dict[str, str] = field(default_factory=dict)
+    tp: int = 1  # GPUs of one replica (the simulator places its GPS reads on their node)
 
     def latency(self, n: float, tok: float) -> float:
         if self.decode is not None:
@@ -338,6 +339,7 @@ def inference_costs(
         decode=decode,
         max_running=max_running,
         sources={name: src for name, _, src in cal.rows()},
+        tp=tp,
     )
 
 
@@ -363,7 +365,7 @@ def with_max_running(costs: InferenceCosts, max_running: int) -> InferenceCosts:
         max_running=max_running,
         sources={
             **costs.sources,
-            "engine.max_running_requests": "config: sim.max_running_requests",
+            "engine.max_running_requests": "config: engines.<role>.max_batch",
         },
     )
 

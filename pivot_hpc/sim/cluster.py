@@ -16,6 +16,13 @@ nothing new on a full engine); while any wait, new arrivals queue behind them. T
 re-admitted, with a re-prefill, when finishes free room for them and the headroom of
 everything running. A shift-down or migration aborts waiting sequences like running ones.
 
+GPS reads share their node's host link: a shift-up's parameter read and a weight update
+read the node's host memory at `shift.host_read_gb_s` (fitted as a whole node's rate,
+Figure 12), so reads of replicas on one node are served one after another (first come,
+first served; the link is never idle while a read waits). A replica's wait is part of
+its `read_s`. Training's own shift-ups are not queued with them (its GPUs read their
+shards over every node of its set; they rarely meet an inference read on a node).
+
 Events are ordered by (time, kind, id) with lazy invalidation (a replica's pending finish
 event is dropped if its membership changed since), so a run is deterministic for a seed.
 """
@@ -136,6 +143,8 @@ class SimCluster:
         self._tokens = {"rollout": 0.0, "reward": 0.0}
         self.preempted = 0  # sequences the engines retracted for KV space
         self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
+        self._node_free: dict[int, float] = {}  # node -> when its host read link is free
+        self.read_wait_s = 0.0  # seconds reads waited for their node's link (all replicas)
         self._after_down: dict[str, tuple[str, int]] = {}  # down rid -> chained shift-up
         self._going_down: set[str] = set()  # replicas whose shift-down has not fired
 
@@ -171,6 +180,17 @@ class SimCluster:
         start = max(self.t, r.busy_until)
         self._push(start + c * it + a * n * it * it / 2.0, FINISH, r.rid, r.version, None)
 
+    def _read(self, rid: str, seconds: float) -> float:
+        """A GPS read of `seconds` alone on `rid`'s node, queued behind the node's other
+        reads: the seconds from now until it is done."""
+        costs = self.inference[role_of(rid)]
+        per_node = self.training.gpus_per_node if self.training is not None else 8
+        node = int(rid.split(":", 1)[1]) * costs.tp // per_node
+        start = max(self.t, self._node_free.get(node, 0.0))
+        self._node_free[node] = start + seconds
+        self.read_wait_s += start - self.t
+        return start + seconds - self.t
+
     # -------------------------------------------------------- cluster API
     def shift_up(self, rid: str, version: int, after: str | None = None) -> None:
         if after in self._going_down:  # starts when `after`'s shift-down fires (see _fire)
@@ -184,6 +204,8 @@ class SimCluster:
             role = role_of(rid)
             costs = self.inference[role]
             phases = dict(costs.shift_up_s)
+            if "read_s" in phases:
+                phases["read_s"] = self._read(rid, phases["read_s"])
             self._replicas[rid] = _Replica(rid, role, costs, t_last=self.t)
         self._push(self.t + sum(phases.values()), SHIFT, rid, 0, ("up", phases))
 
@@ -338,7 +360,8 @@ class SimCluster:
     def update_weights(self, rid: str, version: int) -> None:
         r = self._replicas[rid]
         self._advance(r)
-        r.busy_until = max(r.busy_until, self.t) + r.costs.weight_update_s
+        # the read queues behind the node's other reads (the wait is 0 on a quiet node)
+        r.busy_until = max(r.busy_until, self.t) + self._read(rid, r.costs.weight_update_s)
         self._push(r.busy_until, WEIGHTS, rid, 0, version)
         self._schedule(r)
 

@@ -2,7 +2,8 @@
 
 Lengths are long-tailed (log-normal, capped at the paper's 15K policy / 20K GenRM tokens;
 prompts up to 2K, §8.1). Response medians grow with the RL step; a judgement's median grows
-with the length of the response it judges (see `WorkloadConfig`). Rewards are synthetic (the simulator has no model): a sample is
+with the length of the response it judges (see `WorkloadConfig`; the caps are the live
+run's rl.max_response_tokens and rl.reward.genrm_max_tokens). Rewards are synthetic (the simulator has no model): a sample is
 correct with probability p(step) = p0 + (p1 − p0)·(1 − e^(−step/τ)), the GenRM score
 agrees with correctness 80 % of the time — enough for reward curves in the traces; the
 simulator's purpose is throughput, not learning.
@@ -14,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from pivot_hpc.coordinator.rl_state import Sample
-from pivot_hpc.sim.config import WorkloadConfig
+from pivot_hpc.sim.config import Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,7 @@ class _Stream:
 class SimWorkload:
     """A `SampleSource`: deterministic for (seed, sample id) whatever the release order."""
 
-    def __init__(self, cfg: WorkloadConfig, seed: int) -> None:
+    def __init__(self, cfg: Workload, seed: int) -> None:
         self.cfg = cfg
         self.seed = seed
 

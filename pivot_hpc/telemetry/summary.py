@@ -5,9 +5,20 @@ Definitions (also in analysis/README.md):
   ÷ (last step end − first step start). Training tokens are not added: they are the same
   tokens the rollout generated, trained on. A step logged twice (redone after a resume from
   an older checkpoint) counts once, with its last row.
-- steady-state throughput: the tokens of the steps after the pipeline has filled (steps
-  numbered > staleness, i.e. all but the first staleness+1) ÷ (last step end − end of
-  step `staleness`). None with fewer than staleness+2 completed steps.
+- steady-state throughput: the tokens the engines made after the pipeline has filled ÷
+  the time they were made in: from the end of step `staleness` (all but the first
+  staleness+1 steps are still to come) to the last step's end, the difference of the steps'
+  cumulative `made_*_tokens` over that window. Only work done inside the window counts:
+  crediting each step's tokens to the window its step ends in (older builds; still the
+  fallback for rows without made tokens) counted tokens made during the fill and could
+  pass the work-conserving bound. None with fewer than staleness+2 completed steps.
+- processed tokens (`processed_tokens_per_s`, `…_steady`, `…_bound`): the paper's §8.1
+  "total tokens processed": per step the rollout's prompts and responses plus the GenRM's
+  whole input (prompt + response) and its judgements, 2·train_tokens + reward_tokens (exact
+  when every generated sample is trained; with dynamic sampling the dropped samples' prompts
+  and GenRM inputs are left out). `tokens_per_s` stays generated tokens only. The steady
+  and bound twins are the generated-token rates times the processed/generated ratio of the
+  steps they cover (the steps after the fill, all steps).
 - work-conserving bound: tokens ÷ (GPU-seconds the run's work needs at each role's best
   per-GPU rate, no shift cost, ÷ GPUs): rollout tokens / best rollout tokens/s per GPU +
   reward tokens / best reward tokens/s per GPU + trained tokens × training GPU-seconds per
@@ -85,15 +96,59 @@ def step_table(rows: list[tuple]) -> np.ndarray:
 
 
 def steady_state(steps: np.ndarray, staleness: int) -> float | None:
-    """Tokens/s after the pipeline has filled (see the module docstring)."""
+    """Tokens/s made after the pipeline has filled (see the module docstring)."""
     if len(steps) < staleness + 2:
         return None
     by_step = steps[np.argsort(steps["step"], kind="stable")]
-    t0 = float(by_step["end"][staleness])
+    first = by_step[staleness]
+    t0 = float(first["end"])
     rest = by_step[staleness + 1 :]
-    span = float(rest["end"].max()) - t0
+    last = rest[np.argmax(rest["end"])]
+    span = float(last["end"]) - t0
+    if span <= 0:
+        return None
+    made = float(
+        last["made_rollout_tokens"]
+        + last["made_reward_tokens"]
+        - first["made_rollout_tokens"]
+        - first["made_reward_tokens"]
+    )
+    if math.isfinite(made) and made >= 0:  # counters restart with a resumed process
+        return made / span
     tokens = float(rest["rollout_tokens"].sum() + rest["reward_tokens"].sum())
-    return tokens / span if span > 0 else None
+    return tokens / span
+
+
+def processed_tokens(steps: np.ndarray) -> float:
+    """§8.1's tokens processed: prompts + responses (rollout) + the GenRM's inputs
+    (prompt + response) + judgements = 2·train_tokens + reward_tokens."""
+    return float(2 * steps["train_tokens"].sum() + steps["reward_tokens"].sum())
+
+
+def processed_ratio(steps: np.ndarray) -> float | None:
+    """Processed over generated tokens of these steps (None without tokens)."""
+    generated = float(steps["rollout_tokens"].sum() + steps["reward_tokens"].sum())
+    return processed_tokens(steps) / generated if generated > 0 else None
+
+
+def processed_rates(
+    steps: np.ndarray,
+    staleness: int,
+    tokens_per_s: float,
+    steady: float | None,
+    bound: float | None,
+) -> dict[str, float | None]:
+    """The processed-token twins of the generated-token rates (module docstring)."""
+    by_step = steps[np.argsort(steps["step"], kind="stable")] if len(steps) else steps
+    whole = processed_ratio(by_step) if len(by_step) else None
+    after_fill = processed_ratio(by_step[staleness + 1 :]) if len(by_step) > staleness + 1 else None
+    return {
+        "processed_tokens_per_s": tokens_per_s * whole if whole else 0.0,
+        "processed_tokens_per_s_steady": steady * after_fill
+        if steady is not None and after_fill
+        else None,
+        "processed_tokens_per_s_bound": bound * whole if bound is not None and whole else None,
+    }
 
 
 def bound_gpu_s(rollout: float, reward: float, trained: float, attr: Any) -> float | None:
@@ -279,6 +334,9 @@ def summarise(run: Run) -> dict[str, Any]:
         "tokens_per_s_critical_path": run.attr("bound_critical_path"),
         "steady_work_share": share,
         "tokens_per_s_steady_made": steady_made_rate(share, bound),
+        **processed_rates(
+            steps, staleness, e2e["tokens_per_s"], steady_state(steps, staleness), bound
+        ),
         "end_time_s": run.end_time,
         "reward_mean_first": float(steps["reward_mean"][0]) if len(steps) else None,
         "reward_mean_last": float(steps["reward_mean"][-1]) if len(steps) else None,
@@ -325,6 +383,10 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{_num(s['tokens_per_s_steady'], '{:.1f}')}   work-conserving bound "
         f"{_num(s['tokens_per_s_bound'], '{:.1f}')}   critical-path bound "
         f"{_num(s['tokens_per_s_critical_path'], '{:.1f}')}",
+        f"processed  {_num(s.get('processed_tokens_per_s'), '{:.1f}')} tokens/s end to end "
+        "(prompts, GenRM inputs and generated tokens: the paper's §8.1 count)   steady state "
+        f"{_num(s.get('processed_tokens_per_s_steady'), '{:.1f}')}   bound "
+        f"{_num(s.get('processed_tokens_per_s_bound'), '{:.1f}')}",
         f"work       {_num(s['steady_work_share'], '{:.1%}')} of GPU time at the bound's rates "
         f"while the pipeline runs full ({_num(s['tokens_per_s_steady_made'], '{:.1f}')} "
         "tokens/s of work)",

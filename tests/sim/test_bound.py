@@ -19,6 +19,7 @@ from pivot_hpc.sim.catalog import (
 )
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.run import build, simulate
+from pivot_hpc.sim.settings import sim_settings
 from pivot_hpc.sim.workload import SimPayload, SimWorkload
 from pivot_hpc.telemetry.summary import steady_work_share, step_table, work_conserving_bound
 from tests.sim.test_sim_workload import SMALL
@@ -37,7 +38,7 @@ class _Recorder(SimWorkload):
 
 def test_drawn_lengths_are_the_samples_the_run_releases() -> None:
     cfg = load_config(None, [*SMALL, "loop.steps=3", "sim.seed=7"])
-    source = _Recorder(cfg.sim.workload, cfg.sim.seed)
+    source = _Recorder(sim_settings(cfg).workload, cfg.sim.seed)
     rl = builder.rl_state(cfg, source)
     rl.staleness = cfg.loop.steps  # release every batch without training
     for _ in range(cfg.loop.steps):

@@ -52,20 +52,45 @@ def test_calibration_table_is_complete_with_a_source_for_every_number(hw: str) -
         assert v["kv_capacity_tokens"] > 0 and v["A"] > 0 and v["B"] + v["D"] > 0
 
 
-def test_figure8_snapshots_and_published_latencies_within_20_percent() -> None:
-    for c in checks():
-        assert 0.8 <= c["ratio"] <= 1.2, c
+def test_fit_points_within_20_percent_and_figure8_held_out() -> None:
+    """Engine-level decode benchmarks are the fit points (±20 %); Figure 8's snapshots are
+    held out: their miss is reported by `pivot-hpc calibration`, not fitted (the second
+    calibration, docs/results/2026-12-03-sim-calibration.md: the paper's engine under veRL
+    runs 2-5x slower than the standalone SGLang benchmarks of the same models)."""
+    by_name = {c["name"]: c for c in checks()}
+    for c in by_name.values():
+        if c["fitted"]:
+            assert 0.8 <= c["ratio"] <= 1.2, c
+    assert {"qwen3-8b-batch1", "qwen3-32b-batch1", "infersim-qwen3-30b-a3b-decode"} <= {
+        n for n, c in by_name.items() if c["fitted"]
+    }
+    for name in ("figure8-rollout", "figure8-reward"):
+        assert not by_name[name]["fitted"]
+        assert 0 < by_name[name]["ratio"] < 1.2, by_name[name]  # faster, never slower
     names = {m.name for m in MEASUREMENTS}
     assert {"figure8-rollout", "figure8-reward"} <= names
 
 
-def test_figure10_per_gpu_rates_are_not_exceeded() -> None:
-    """Group 2 on H20: the best a GPU does stays within Figure 10's observed ceilings."""
+def test_decode_attention_is_the_cited_kernel_efficiency() -> None:
+    """η_attention on H20 is FlashInfer's measured 0.70-0.78 [7], not a value fitted to
+    one Figure 8 snapshot at an assumed context (0.05 before the second calibration)."""
+    e = CALIBRATIONS["h20"].engine
+    assert 0.70 <= e.eta_attention.value <= 0.78
+    assert e.eta_attention.source.startswith("measured")
+
+
+def test_best_per_gpu_rates_stay_within_published_h20_decode() -> None:
+    """Group 2 on H20: the best a GPU does stays within the engine-level decode
+    measurements — SGLang's 2,749 tok/s/GPU for the GenRM at ~100 sequences/GPU [4] and
+    2,682 for Qwen3-8B in FP8 at batch 64 [5] (a bf16 7B reads more bytes per token).
+    Figure 10's per-GPU maxima (a trace of the paper's end-to-end run) are lower; the
+    calibration report gives the comparison, they are not a ceiling."""
     h20 = HARDWARE["h20"]
     ro = inference_costs(MODELS["qwen2.5-7b"], h20, 1)
     rm = inference_costs(MODELS["qwen3-30b-a3b"], h20, 4)
-    assert ro.best_rate(context=1000) <= FIGURE10_PER_GPU_MAX["rollout"] * 1.2
-    assert rm.best_rate(context=5000) / 4 <= FIGURE10_PER_GPU_MAX["reward"] * 1.2
+    assert ro.best_rate(context=1000) <= 2682 * 1.2
+    assert rm.best_rate(context=5000) / 4 <= 2749 * 1.2
+    assert ro.best_rate(context=1000) > FIGURE10_PER_GPU_MAX["rollout"]  # held out: reported
 
 
 # Paper Table 1 deployments of each model (inference) and Table 4 training sets.
@@ -152,7 +177,8 @@ def test_training_cost_by_terms() -> None:
     )
     assert base.flops_per_token == pytest.approx(6 * q7.params)
     assert full.flops_per_token == pytest.approx(12 * q7.params)
-    assert base.flops_per_s == pytest.approx(148e12 * 8 * 0.30)
+    mfu = CALIBRATIONS["h20"].training.mfu_dense_small.value  # a 7B is "small" (< 10B)
+    assert base.flops_per_s == pytest.approx(148e12 * 8 * mfu)
     # attention grows with the square of the sequence length
     fixed = base.publish_s + base.allreduce_s(8)
     assert base.step_time([4000]) - fixed > 2 * (base.step_time([2000]) - fixed)
@@ -176,3 +202,14 @@ def test_calibration_cli_prints_table_and_json() -> None:
     )
     t = json.loads(out.stdout)
     assert t["hardware"] == "h20" and t["pairs"] and t["checks"] and t["references"]
+
+
+def test_h20_training_mfu_is_derived_for_h20_not_carried_over() -> None:
+    """Training on H20 is the datasheet peak at a stated efficiency derived for H20 (its
+    GEMMs take 5x longer than on H200 while memory and links do not), not H100/H200 MFU."""
+    h20, h100 = CALIBRATIONS["h20"].training, CALIBRATIONS["h100"].training
+    assert h20 is not h100
+    for name in ("mfu_dense_small", "mfu_dense_large"):
+        value = getattr(h20, name).value
+        assert 0.5 <= value <= 0.8, name  # inside the derivation's 0.56-0.80 range
+        assert value > getattr(h100, name).value, name

@@ -7,10 +7,15 @@ import pytest
 
 from pivot_hpc.config import load_config
 from pivot_hpc.coordinator import build as builder
-from pivot_hpc.sim.run import build as build_sim
-from pivot_hpc.sim.workload import SimWorkload, sim_rewarder
+from pivot_hpc.sim.backend import SimBackend
 
 TINY = ["cluster.nodes=1", "cluster.gpus_per_node=4", "training.num_gpus=1", "loop.steps=2"]
+# the paper's caps and veRL's activation recompute
+TINY += [
+    "rl.max_response_tokens=15000",
+    "rl.reward.genrm_max_tokens=20000",
+    "rl.trainer.recompute=full",
+]
 
 
 class RecordingCluster:
@@ -31,6 +36,20 @@ class RecordingCluster:
 
     def start(self, rid, sample, role) -> None:
         self.calls.append(("start", rid, sample.sample_id, role))
+
+
+class LiveShapedBackend(SimBackend):
+    """The live run's costs (the config's own constants, coordinator/build.py) over a
+    recording cluster: what `build` decides from the config alone."""
+
+    simulated = False
+
+    def costs(self, cfg):
+        super().costs(cfg)  # (the header's bound rates need the catalog costs)
+        return builder.configured_costs(cfg)
+
+    def cluster(self, cfg, topology, source):
+        return RecordingCluster()
 
 
 def first_requests(coord) -> list[tuple]:
@@ -56,15 +75,11 @@ def first_requests(coord) -> list[tuple]:
 )
 def test_sim_and_live_builds_agree(mode: str, strategy: str) -> None:
     cfg = load_config(None, [*TINY, f"deployment.mode={mode}", f"planner.strategy={strategy}"])
-    sim, _, meta = build_sim(cfg)
-    rl = builder.rl_state(cfg, SimWorkload(cfg.sim.workload, cfg.sim.seed))
-    live = builder.build(
-        cfg,
-        cluster=RecordingCluster(),
-        topology=builder.configured_topology(cfg),
-        rl=rl,
-        rewarder=sim_rewarder,
-    )
+    sim_job = builder.build(cfg, SimBackend())
+    sim, meta = sim_job.coordinator, sim_job.meta
+    live_job = builder.build(cfg, LiveShapedBackend())
+    live = live_job.coordinator
+    assert not live_job.meta["simulated"] and meta["simulated"]
     assert sim.topology.training_gpus == live.topology.training_gpus
     if mode == "colocated":  # every GPU trains, in both
         assert sim.topology.training_gpus == (0, 1, 2, 3)
@@ -79,7 +94,36 @@ def test_sim_and_live_builds_agree(mode: str, strategy: str) -> None:
     assert first_requests(sim) == first_requests(live)
     assert meta["strategy"] == (strategy if mode == "pivot" else "")
     assert {k: meta[k] for k in ("mode", "gpus", "staleness")} == {
-        k: v
-        for k, v in builder.run_meta(cfg, rl, simulated=False).items()
-        if k in ("mode", "gpus", "staleness")
+        k: v for k, v in live_job.meta.items() if k in ("mode", "gpus", "staleness")
     }
+
+
+def test_a_job_calls_its_hooks_in_order_and_always_closes() -> None:
+    from pivot_hpc.coordinator.hooks import Hooks
+
+    calls: list[str] = []
+
+    class Record(Hooks):
+        def before_run(self, coord):
+            calls.append("before")
+
+        def on_step(self, coord, step, metrics):
+            calls.append(f"step {step}")
+
+        def after_run(self, coord):
+            calls.append("after")
+
+        def close(self):
+            calls.append("close")
+
+    builder.build(load_config(None, TINY), SimBackend(hooks=Record())).run()
+    assert calls == ["before", "step 0", "step 1", "after", "close"]
+
+    class Fails(Record):
+        def on_step(self, coord, step, metrics):
+            raise RuntimeError("a hook failed")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        builder.build(load_config(None, TINY), SimBackend(hooks=Fails())).run()
+    assert calls == ["before", "close"]

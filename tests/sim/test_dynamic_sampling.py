@@ -9,7 +9,10 @@ from collections import defaultdict
 import pytest
 
 from pivot_hpc.checkpoint import codec
+from pivot_hpc.coordinator import build as builder
+from pivot_hpc.coordinator.hooks import Hooks
 from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.run import build
 from pivot_hpc.sim.workload import SimPayload
 from tests.sim.test_simulator import MODES, tiny
@@ -70,16 +73,16 @@ def test_the_replacement_limit_trains_with_what_it_has() -> None:
 
 
 def test_a_checkpoint_keeps_the_oversampled_groups_in_flight() -> None:
-    coord, _cluster, _ = build(tiny("pivot", *DS, "loop.steps=2"))
     saved = {}
 
-    def on_step(step, m):
-        if step == 0:
-            # through the checkpoint codec, as a live checkpoint stores it
-            saved.update(codec.loads(codec.dumps(coord.rl.state()), "rl_state.json"))
+    class SaveAfterFirstStep(Hooks):
+        def on_step(self, coord, step, m):
+            if step == 0:
+                # through the checkpoint codec, as a live checkpoint stores it
+                saved.update(codec.loads(codec.dumps(coord.rl.state()), "rl_state.json"))
 
-    coord.on_step = on_step
-    coord.run()
+    job = builder.build(tiny("pivot", *DS, "loop.steps=2"), SimBackend(hooks=SaveAfterFirstStep()))
+    job.run()
     state = saved
     assert state["resampled"] and sum(state["filtered"].values()) >= 1
     in_flight = [s for b in state["batches"].values() for s in b]

@@ -55,6 +55,9 @@ def test_bench_groups_json_keys_and_made_rates(tmp_path: Path, capsys) -> None:
             "tokens_per_s",
             "tokens_per_s_steady",
             "tokens_per_s_bound",
+            "processed_tokens_per_s",
+            "processed_tokens_per_s_steady",
+            "processed_tokens_per_s_bound",
             "steady_over_bound",
             "shifts",
             "training_prewarms",
@@ -64,6 +67,9 @@ def test_bench_groups_json_keys_and_made_rates(tmp_path: Path, capsys) -> None:
         } <= set(run), label
         assert 0 < run["steady_over_bound"] <= 1, (label, run)
         assert 0 < run["end_to_end_over_bounds"] <= 1, (label, run)
+        assert run["processed_tokens_per_s"] > run["tokens_per_s"], label
+        steady = run["tokens_per_s_steady"]
+        assert steady is None or steady <= run["tokens_per_s_bound"], (label, run)
         assert run["training_prewarms"] == 0, label  # the paper's strategy never pre-warms
     assert group["best_static"] in ("colocated", "disaggregated", "rr_colocated")
     for label in ("pivot", "pivot/elastic"):

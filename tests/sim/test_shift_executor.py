@@ -7,6 +7,12 @@ from pivot_hpc.coordinator.events import ShiftDone
 from pivot_hpc.sim.run import build
 
 TINY = ["cluster.nodes=1", "cluster.gpus_per_node=4", "training.num_gpus=1", "loop.steps=4"]
+# the paper's caps and veRL's activation recompute
+TINY += [
+    "rl.max_response_tokens=15000",
+    "rl.reward.genrm_max_tokens=20000",
+    "rl.trainer.recompute=full",
+]
 
 
 def test_a_rollout_replica_that_arrives_as_a_step_ends_loads_the_new_policy() -> None:

@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 from pivot_hpc.config import load_config
+from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator import modes
+from pivot_hpc.coordinator.hooks import Hooks
 from pivot_hpc.coordinator.rl_state import ConservationError, Sample
 from pivot_hpc.planner import role_of
 from pivot_hpc.scheduler import ThroughputModel
+from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, InferenceCosts, TrainingCosts, inference_costs
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.sim.run import build, simulate
@@ -32,8 +35,12 @@ TINY = [
     "loop.samples_per_prompt=4",
     "loop.monitor_interval_s=2.0",
     "planner.interval_s=2.0",
-    "sim.policy_model=qwen2.5-1.5b",
-    "sim.reward_model=glm-z1-9b",
+    "models.policy_catalog=qwen2.5-1.5b",
+    "models.genrm_catalog=glm-z1-9b",
+    # the paper's caps and veRL's activation recompute
+    "rl.max_response_tokens=15000",
+    "rl.reward.genrm_max_tokens=20000",
+    "rl.trainer.recompute=full",
     "reward.tp=1",
 ]
 
@@ -70,10 +77,15 @@ def test_every_mode_completes_with_conservation(
     """`late`: that share of aborted sequences finishes just before its abort arrives (a
     live engine's race), so the coordinator's late-abort path runs on every shift kind."""
     cfg = tiny(mode, f"planner.strategy={strategy}", *OPTIONS[options])
-    coord, cluster, _ = build(cfg, late_finish_share=late)
     trained: list[int] = []
-    coord.on_step = lambda step, m: trained.append(step)
-    coord.run()
+
+    class Record(Hooks):
+        def on_step(self, coord, step, m):
+            trained.append(step)
+
+    job = builder.build(cfg, SimBackend(hooks=Record(), late_finish_share=late))
+    coord, cluster = job.coordinator, job.cluster
+    job.run()
     rl = coord.rl
     assert rl.version == 3 and trained == [0, 1, 2]
     # Every sample rolled out, rewarded and trained exactly once (RLState raises on a
@@ -107,8 +119,9 @@ def test_pivot_plus_never_moves_gpus_back_before_a_plan_has_repaid() -> None:
     # group 3's models under pipeline admission: the paper's pivot moves GPUs back and
     # forth there every few seconds (docs/results/2026-12-simulator-paper-groups.md)
     cfg = load_config(
-        Path(__file__).parents[2] / "configs/sim/group3-qwen32b-qwen30b.yaml",
+        Path(__file__).parents[2] / "configs/groups/group3-qwen32b-qwen30b.yaml",
         ["planner.strategy=pivot+", "scheduler.admission=pipeline", "loop.steps=4"],
+        files=False,
     )
     coord, cluster, _ = build(cfg)
     repaid: list[tuple[str, str, float]] = []  # (up role, down role, repaid at)
@@ -157,7 +170,7 @@ def test_elastic_training_grows_and_trains_faster() -> None:
     """Training-bound (a long step on 4 GPUs, inference short): before each step training
     takes the GPUs inference leaves idle, trains data parallel on them (the simulated step
     shrinks with the GPUs) and gives them back; the run ends sooner than without."""
-    heavy = ["sim.policy_model=qwen2.5-7b", "loop.batch_prompts=24"]
+    heavy = ["models.policy_catalog=qwen2.5-7b", "loop.batch_prompts=24"]
     seen: list[tuple[str, int]] = []
     coord, cluster, _ = build(tiny("pivot", *heavy, "planner.elastic_training=true"))
     train = cluster.train
@@ -274,7 +287,7 @@ def test_simulate_cli_json_and_report(tmp_path: Path) -> None:
             "-m",
             "pivot_hpc",
             "simulate",
-            "configs/sim/group1-qwen1.5b-glm9b.yaml",
+            "configs/groups/group1-qwen1.5b-glm9b.yaml",
             "--mode",
             "pivot",
             "--steps",
@@ -347,7 +360,9 @@ def test_a_shift_up_on_the_gpus_of_a_shift_down_is_chained_after_it() -> None:
         )
         up = next(i for i, (t, r, k) in enumerate(done) if r == rid and k == "up" and i > down)
         phases = sum(cluster.inference[role_of(rid)].shift_up_s.values())
-        assert phases > 0 and done[up][0] == pytest.approx(done[down][0] + phases)
+        # its phases alone, plus any wait for its node's host link (other reads first)
+        wait = done[up][0] - (done[down][0] + phases)
+        assert phases > 0 and wait >= -1e-9
 
 
 def test_a_chained_shift_up_after_a_down_that_already_fired_starts_at_once() -> None:

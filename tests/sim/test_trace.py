@@ -43,7 +43,7 @@ def test_trace_of_a_simulated_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
     run_dir = tmp_path / "run"
-    argv = ["simulate", str(REPO / "configs/sim/group1-qwen1.5b-glm9b.yaml"), "--mode", mode]
+    argv = ["simulate", str(REPO / "configs/groups/group1-qwen1.5b-glm9b.yaml"), "--mode", mode]
     argv += ["--steps", "2", "--gpus", "16", "--out", str(run_dir), "loop.batch_prompts=8"]
     assert main(argv) == 0
     capsys.readouterr()

@@ -342,3 +342,15 @@ def test_a_key_added_after_the_checkpoint_is_compared_with_its_default(tmp_path:
         store.find_resume(
             tmp_path, tiny_config("engines.rollout.process=child"), defaults=default_dict()
         )
+
+
+def test_a_checkpoint_with_the_simulators_old_keys_still_resumes(tmp_path: Path) -> None:
+    """Checkpoints written before the simulator's settings moved into the live sections
+    (configs/groups/) hold `sim.hardware` and friends; a live run never read them."""
+    from pivot_hpc.config import default_dict
+
+    saved = tiny_config()
+    saved["sim"].update(hardware="h20", training_tp=1, policy_model="qwen2.5-7b")
+    write_ckpt(tmp_path, saved, 4)
+    found = store.find_resume(tmp_path, tiny_config(), defaults=default_dict())
+    assert found is not None and found[1]["step"] == 4

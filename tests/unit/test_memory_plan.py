@@ -33,8 +33,7 @@ from pivot_hpc.planning.memory import (
 from pivot_hpc.sim.catalog import MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_GROUPS = sorted((ROOT / "configs" / "gpu").glob("group*.yaml"))
-SIM_GROUPS = sorted((ROOT / "configs" / "sim").glob("group*.yaml"))
+GROUPS = sorted((ROOT / "configs" / "groups").glob("group*.yaml"))
 SHIPPED = sorted((ROOT / "configs").rglob("*.yaml"))
 ROLE_KEYS = {
     "weights_gib",
@@ -172,21 +171,22 @@ def test_every_shipped_config_has_a_plan_with_the_json_keys(path: Path) -> None:
     json.dumps(out)
 
 
-@pytest.mark.parametrize("path", GPU_GROUPS + SIM_GROUPS, ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_the_paper_groups_fit_96_gb_h20s_as_shipped(path: Path) -> None:
+@pytest.mark.parametrize("source", ["live", "sim"])
+@pytest.mark.parametrize("path", GROUPS, ids=lambda p: p.stem)
+def test_the_paper_groups_fit_96_gb_h20s_as_shipped(path: Path, source: str) -> None:
     cfg, data = load_for_plan(str(path), [])
-    plan = make_plan(cfg, data)
+    plan = make_plan(cfg, data, source)
     assert plan.inputs.gpu == "h20" and plan.inputs.capacity_gib == pytest.approx(95.5, abs=0.1)
     assert plan.fits is True, plan.failures()
     for name, r in plan.roles.items():
         assert r is not None and r.fits, name
         assert r.total < r.capacity
-    if path.parent.name == "gpu":  # the live configs: the knobs that make them fit
+    if source == "live":  # the knobs that make them fit
         t = plan.inputs.training
         assert (t.attention, t.recompute, t.distributed_optimizer) == ("sdpa", "full", True)
 
 
-@pytest.mark.parametrize("path", GPU_GROUPS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", GROUPS, ids=lambda p: p.stem)
 def test_today_s_engine_defaults_do_not_fit_and_the_plan_names_the_fix(path: Path) -> None:
     overrides = [
         "rl.trainer.attention=local",
@@ -202,16 +202,15 @@ def test_today_s_engine_defaults_do_not_fit_and_the_plan_names_the_fix(path: Pat
 
 
 def test_sim_and_live_twins_agree_on_the_policy() -> None:
-    live_cfg, _ = load_for_plan(str(GPU_GROUPS[1]), [])
-    sim_cfg, _ = load_for_plan(str(SIM_GROUPS[1]), [])
-    live, sim = live_inputs(live_cfg), sim_inputs(sim_cfg)
+    cfg, _ = load_for_plan(str(GROUPS[1]), [])  # one config, read both ways
+    live, sim = live_inputs(cfg), sim_inputs(cfg)
     assert live.training.model == sim.training.model == MODELS["qwen2.5-7b"]
     assert live.reward.model == sim.reward.model == MODELS["qwen3-30b-a3b"]
 
 
 def test_inference_kv_pool_follows_mem_fraction_static() -> None:
     cfg, data = load_for_plan(
-        str(GPU_GROUPS[1]),
+        str(GROUPS[1]),
         ["rollout.kv_capacity_tokens=10000000", "engines.rollout.mem_fraction_static=0.85"],
     )
     r = make_plan(cfg, data).roles["rollout"]
@@ -219,18 +218,18 @@ def test_inference_kv_pool_follows_mem_fraction_static() -> None:
     assert r.static_budget == pytest.approx(0.85 * r.capacity)
     e = make_plan(cfg, data).inputs.rollout
     assert r.weights + r.kv + engine_context(e) == pytest.approx(r.static_budget)
-    cfg, data = load_for_plan(str(GPU_GROUPS[3]), ["reward.tp=2"])
+    cfg, data = load_for_plan(str(GROUPS[3]), ["reward.tp=2"])
     plan = make_plan(cfg, data)
     assert plan.roles["reward"].problem == "pool"
     assert plan.fixes["reward"].overrides == ("reward.tp=4",)
 
 
 def test_gps_groups_of_k_nodes_under_a_budget() -> None:
-    cfg, data = load_for_plan(str(GPU_GROUPS[0]), ["gps.host_budget_gib=12"])
+    cfg, data = load_for_plan(str(GROUPS[0]), ["gps.host_budget_gib=12"])
     node = make_plan(cfg, data).node
     assert node.group_size == 2 and node.gps == pytest.approx(node.gps_replicated / 2)
     assert node.fits is True
-    cfg, data = load_for_plan(str(GPU_GROUPS[0]), ["gps.host_budget_gib=1"])
+    cfg, data = load_for_plan(str(GROUPS[0]), ["gps.host_budget_gib=1"])
     plan = make_plan(cfg, data)
     assert plan.node.fits is False and "node" in plan.failures()
 
@@ -264,7 +263,7 @@ def test_gpu_memory_gib_sets_the_capacity() -> None:
 # -------------------------------------------------------------- pre-launch refusal
 @pytest.fixture
 def planted(tmp_path: Path) -> list[str]:
-    """Overrides that make configs/gpu/group1 load here: model directories named after
+    """Overrides that make configs/groups/group1 load here: model directories named after
     the catalog models, and dataset files."""
     out = []
     for key, name in (("policy", "Qwen2.5-1.5B"), ("genrm", "GLM-Z1-9B")):
@@ -296,7 +295,7 @@ def test_an_infeasible_config_is_refused_before_launch_in_one_line(
 
     monkeypatch.setattr(local_world, "launch", _no_launch)
     monkeypatch.setattr(submit, "submit", _no_launch)
-    argv = [command, str(GPU_GROUPS[0]), "--run-dir", str(tmp_path / "run"), *planted]
+    argv = [command, str(GROUPS[0]), "--run-dir", str(tmp_path / "run"), *planted]
     assert main([*argv, "rl.trainer.micro_batch_size=64"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
@@ -306,10 +305,10 @@ def test_an_infeasible_config_is_refused_before_launch_in_one_line(
 
 
 def test_plan_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", str(GPU_GROUPS[0]), "--json"]) == 0
+    assert main(["plan", str(GROUPS[0]), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True and set(out["roles"]) == {"rollout", "reward", "training", "shift"}
-    assert main(["plan", str(GPU_GROUPS[0]), "rl.trainer.attention=local",
+    assert main(["plan", str(GROUPS[0]), "rl.trainer.attention=local",
                  "rl.trainer.recompute=none"]) == 1  # fmt: skip
     text = capsys.readouterr().out
     assert "DOES NOT FIT: training" in text and "GiB per GPU" in text
@@ -318,7 +317,7 @@ def test_plan_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> No
 def test_shipped_gpu_configs_size_the_kv_pool_from_free_memory() -> None:
     """A fixed mem_fraction_static makes a shift-up beside a still-resident trainer fail;
     the shipped configs leave it to the free-memory sizing (the knob stays)."""
-    for path in GPU_GROUPS:
+    for path in GROUPS:
         cfg, _ = load_for_plan(str(path), [])
         assert cfg.engines.rollout.mem_fraction_static is None, path
         assert cfg.engines.reward.mem_fraction_static is None, path
@@ -330,8 +329,8 @@ def test_a_live_run_refuses_the_distributed_optimizer_it_does_not_have() -> None
     from pivot_hpc.errors import PivotError
     from pivot_hpc.runtime.world import check_live_config
 
-    cfg, _ = load_for_plan(str(GPU_GROUPS[0]), [])
+    cfg, _ = load_for_plan(str(GROUPS[0]), [])
     with pytest.raises(PivotError, match="rl.trainer.distributed_optimizer=false"):
         check_live_config(cfg)
-    cfg, _ = load_for_plan(str(GPU_GROUPS[0]), ["rl.trainer.distributed_optimizer=false"])
+    cfg, _ = load_for_plan(str(GROUPS[0]), ["rl.trainer.distributed_optimizer=false"])
     check_live_config(cfg)

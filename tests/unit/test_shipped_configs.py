@@ -1,0 +1,167 @@
+"""The paper's four model groups are one config each (configs/groups/), read both ways:
+as `pivot-hpc run` launches it (validation with its files, the memory plan on 96 GB H20s,
+the launch checks) and as `pivot-hpc simulate` costs it (the same models, GPU, tensor
+parallelism, recompute and caps, from the same keys). Keys that moved out of `sim:` fail
+with one line naming their new key. Also: the trainer's dtype key parses and resolves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pivot_hpc.config import ConfigError, load_config
+from pivot_hpc.config.loader import MAX_SHOWN_CHARS, load_yaml
+from pivot_hpc.rl.config import TrainerConfig
+from pivot_hpc.sim.config import SimConfig, WorkloadConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs" / "groups").glob("group*.yaml"))
+# (policy TP, GenRM TP, GPUs, training GPUs, policy, GenRM) per group: paper Table 1, Table 4
+TABLE = {
+    "group1": (1, 1, 32, 16, "qwen2.5-1.5b", "glm-z1-9b"),
+    "group2": (1, 4, 32, 8, "qwen2.5-7b", "qwen3-30b-a3b"),
+    "group3": (4, 4, 64, 32, "qwen2.5-32b", "qwen3-30b-a3b"),
+    "group4": (8, 8, 128, 64, "qwen2.5-72b", "qwen3.5-122b-a10b"),
+}
+# §8.1's 2K / 15K / 20K, read as binary K
+CAPS = (2048, 15360, 20480)
+
+
+def _planted(tmp_path: Path, path: Path) -> list[str]:
+    """The config's dataset files and model directories, here (validation wants them to
+    exist), named as the config names them (the directory name says the catalog model)."""
+    train, val = tmp_path / "dapo-math-17k.parquet", tmp_path / "aime-2024.parquet"
+    train.touch()
+    val.touch()
+    out = [f"rl.data.train={train}", f"rl.data.validation={val}"]
+    for key in ("policy", "genrm"):
+        d = tmp_path / Path(load_yaml(path)["models"][f"{key}_path"]).name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        out.append(f"models.{key}_path={d}")
+    return out
+
+
+def test_one_config_per_group_and_no_second_vocabulary() -> None:
+    assert [p.name.split("-")[0] for p in CONFIGS] == sorted(TABLE)
+    assert not (ROOT / "configs" / "sim").exists()
+    assert not list((ROOT / "configs").rglob("gpu/group*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_live_reading(path: Path, tmp_path: Path) -> None:
+    from pivot_hpc.planning import check_memory
+    from pivot_hpc.runtime.world import LayoutError, check_before_launch
+
+    cfg = load_config(path, _planted(tmp_path, path))
+    policy_tp, genrm_tp, gpus, train, _policy, _genrm = TABLE[path.name.split("-")[0]]
+    assert cfg.rollout.tp == policy_tp and cfg.rl.trainer.tp == policy_tp
+    assert cfg.reward.tp == genrm_tp
+    assert cfg.cluster.total_gpus == gpus and cfg.training.num_gpus == train
+    assert cfg.cluster.gpu == "h20"
+    assert cfg.engines.rollout.engine == cfg.engines.reward.engine == "sglang"
+    assert cfg.rl.trainer.engine == "megatron" and cfg.rl.trainer.dtype == "bf16"
+    assert cfg.deployment.mode == "pivot" and cfg.deployment.effective_staleness() == 2
+    assert cfg.models.policy_path is not None and cfg.models.policy_path.parent == tmp_path
+    assert (
+        cfg.rl.data.max_prompt_tokens,
+        cfg.rl.max_response_tokens,
+        cfg.rl.reward.genrm_max_tokens,
+    ) == CAPS
+    rollout, reward = cfg.deployment.rollout_gpus, cfg.deployment.reward_gpus
+    assert rollout is not None and reward is not None and rollout + reward + train == gpus
+    check_memory(cfg)  # fits 96 GB H20s as shipped: the launchers' first check passes
+    # ... and the live runtime's own limit is the one the header documents
+    with pytest.raises(LayoutError, match="distributed_optimizer"):
+        check_before_launch(cfg)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_plan_json_fits_h20_both_ways(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pivot_hpc.cli.main import main
+
+    for source in ("live", "sim"):
+        assert main(["plan", str(path), "--json", "--source", source]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["source"], out["gpu"], out["fits"]) == (source, "h20", True)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_simulator_reading(path: Path) -> None:
+    from pivot_hpc.sim.run import build
+    from pivot_hpc.sim.settings import sim_settings
+
+    cfg = load_config(path, ["loop.steps=1"], files=False)  # no model or data files here
+    policy_tp, _genrm_tp, gpus, _train, policy, genrm = TABLE[path.name.split("-")[0]]
+    s = sim_settings(cfg)
+    assert s.hardware == cfg.cluster.gpu == "h20"
+    assert dict(s.models) == {"rollout": policy, "reward": genrm}
+    assert s.training_tp == cfg.rl.trainer.tp == policy_tp
+    assert (s.workload.response_cap, s.workload.judgement_cap) == CAPS[1:]
+    assert s.terms.activation_recompute and s.terms.recompute_old_logprobs
+    assert dict(s.max_running) == {"rollout": 256, "reward": 256}
+    coord, cluster, meta = build(cfg)  # the simulated deployment, not run
+    assert cluster.inference["rollout"].model is coord.topology.roles["rollout"].model
+    assert coord.topology.num_gpus == gpus and meta["gpus"] == gpus
+    assert coord.topology.training_tp == policy_tp
+    assert meta["hardware"] == "H20"
+
+
+OLD_KEYS = {
+    **{f"sim.{k}": v for k, v in SimConfig.MOVED_KEYS.items()},
+    **{f"sim.workload.{k}": v for k, v in WorkloadConfig.MOVED_KEYS.items()},
+}
+OLD_VALUES = {"hardware": "h20", "policy_model": "qwen2.5-7b", "reward_model": "glm-z1-9b"}
+
+
+@pytest.mark.parametrize("key", sorted(OLD_KEYS))
+def test_an_old_sim_key_names_its_new_key_in_one_line(key: str, tmp_path: Path) -> None:
+    leaf = key.split(".")[-1]
+    value = OLD_VALUES.get(leaf, 1)
+    new = OLD_KEYS[key].split(" ")[0]
+    # as an override ...
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{key}={value}"])
+    msg = str(info.value)
+    assert "\n" not in msg and f"'{key}' moved: set {new}" in msg
+    # ... and in a file
+    *parents, last = key.split(".")
+    text = "".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(parents))
+    f = tmp_path / "old.yaml"
+    f.write_text(text + f"{'  ' * len(parents)}{last}: {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    msg = str(info.value)
+    assert "\n" not in msg and f"'{key}' moved: set {new}" in msg
+    assert len(msg) < 2 * MAX_SHOWN_CHARS
+
+
+def test_trainer_dtype_parses_and_resolves() -> None:
+    assert load_config(None, ["rl.trainer.dtype=fp32"]).rl.trainer.dtype == "fp32"
+    with pytest.raises(ConfigError, match="rl.trainer.dtype"):
+        load_config(None, ["rl.trainer.dtype=fp16"])
+    auto = TrainerConfig()
+    assert auto.dtype == "auto"
+    assert auto.resolved_dtype(cuda=True) == "bf16"
+    assert auto.resolved_dtype(cuda=False) == "fp32"
+    assert TrainerConfig(dtype="bf16").resolved_dtype(cuda=False) == "bf16"
+
+
+def test_a_missing_model_directory_is_named(tmp_path: Path) -> None:
+    overrides = [*_planted(tmp_path, CONFIGS[0]), f"models.policy_path={tmp_path}"]
+    with pytest.raises(ConfigError, match="models.policy_path"):
+        load_config(CONFIGS[0], overrides)
+
+
+def test_a_directory_outside_the_catalog_is_named_for_the_simulator(tmp_path: Path) -> None:
+    # live runs need no catalog name; the simulator says which key gives it one
+    with pytest.raises(ConfigError, match="models.policy_catalog.*Llama-3-8B"):
+        load_config(CONFIGS[0], ["models.policy_path=/models/Llama-3-8B"], files=False)
+    cfg = load_config(
+        CONFIGS[0],
+        ["models.policy_path=/models/Llama-3-8B", "models.policy_catalog=qwen2.5-1.5b"],
+        files=False,
+    )
+    assert cfg.models.policy_catalog == "qwen2.5-1.5b"
