@@ -12,10 +12,19 @@ state (moments and master weights) offloads to pinned host memory. Checkpoints: 
 dist_checkpointing, with the optimizer state (and master weights) sharded like the
 parameters they belong to, so a checkpoint loads under another TP size too.
 
+`trainer.distributed_optimizer`: the optimizer is ZeRO-1 instead (engines/sharded_adam.py):
+each data-parallel replica keeps masters and moments of 1/DP of the flattened parameters,
+steps them after the gradient all-reduce (clipping by the full gradient's norm) and the
+weights are all-gathered. Its checkpoint has the unsharded one's format (whole parameters'
+state, each written by one replica): either optimizer loads it, at any DP and TP.
+
 Elastic training (`planner.elastic_training`): `use_data_parallel` makes the next steps
 data parallel over a group of replicas that changes between steps, and a replica that
 joins takes the others' optimizer state in canonical form (`optimizer_state`,
-`load_optimizer_state`; it travels through GPS, runtime/elastic.py).
+`load_optimizer_state`; it travels through GPS, runtime/elastic.py). Sharded, a joiner
+takes none (`optimizer_kinds` is empty): the replicas that hold the state — the training
+set — own it all, re-split at each change of the group (`ShardedAdam.regroup`), so a
+joiner may leave again without handing anything back.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from pivot_hpc.engines.megatron_model import (
     init_distributed,
     position_ids,
 )
+from pivot_hpc.engines.sharded_adam import KINDS, Owners, ShardedAdam, split
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.rl.config import GRPOConfig, TrainerConfig
 from pivot_hpc.rl.grpo import resolve_loss, rollout_correction, sft_loss
@@ -43,6 +53,8 @@ from pivot_hpc.rl.grpo import resolve_loss, rollout_correction, sft_loss
 PAD_ID = 0
 MASTER_KEY = "fp32_param"  # checkpoint key of the master weights (bf16 models only)
 OPT_MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state
+# checkpoint key → the sharded optimizer's kind (one checkpoint format for both optimizers)
+CKPT_KINDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", MASTER_KEY: "master"}
 
 
 class MegatronTrainEngine:
@@ -99,20 +111,32 @@ class MegatronTrainEngine:
         )
         self.gpt = gpt
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # fp32 master weights when the model is not fp32 (same order as self.params, which
-        # the checkpoint's optimizer-state sharding relies on)
-        self._master: list[torch.Tensor] | None = None
-        if any(p.dtype != torch.float32 for p in self.params):
-            self._master = [p.detach().float().clone() for p in self.params]
-        self._opt_params = self._master if self._master is not None else self.params
-        self.optimizer = torch.optim.AdamW(
-            self._opt_params,
+        self._shapes = [p.shape for p in self.params]
+        self._mixed = any(p.dtype != torch.float32 for p in self.params)  # fp32 masters
+        self.device = self.params[0].device
+        hyper = dict(
             lr=self.cfg.lr,
             betas=tuple(self.cfg.betas),
             eps=self.cfg.eps,
             weight_decay=self.cfg.weight_decay,
         )
-        self.device = self.params[0].device
+        # fp32 master weights when the model is not fp32 (same order as self.params, which
+        # the checkpoint's optimizer-state sharding relies on)
+        self._master: list[torch.Tensor] | None = None
+        self._zero: ShardedAdam | None = None  # rl.trainer.distributed_optimizer
+        self.optimizer: torch.optim.AdamW | None = None
+        if self.cfg.distributed_optimizer:
+            # masters and moments of 1/DP of the parameters here (sharded_adam.py); under
+            # megatron's data parallelism every replica owns a range
+            numels = [p.numel() for p in self.params]
+            self._zero = ShardedAdam(numels, **hyper, device=self.device, masters=self._mixed)
+            self._zero.own(self._all_own(self.dp, self.dp_group), self.dp_rank, self.params)
+            self._opt_params = self.params
+        else:
+            if self._mixed:
+                self._master = [p.detach().float().clone() for p in self.params]
+            self._opt_params = self._master if self._master is not None else self.params
+            self.optimizer = torch.optim.AdamW(self._opt_params, **hyper)
         self.version = 0
         self.steps = 0
         self._host_optimizer_state: dict | None = None
@@ -129,6 +153,8 @@ class MegatronTrainEngine:
             raise KeyError(f"load_weights: no tensors for {sorted(missing)[:4]}…")
         index = {id(p): i for i, p in enumerate(self.params)}
         with torch.no_grad():
+            if self._zero is not None:  # masters of my range, in the source precision
+                self._zero.load_master({index[id(p)]: shard[n].float() for n, p in own.items()})
             for name, p in own.items():
                 p.copy_(shard[name].to(p.dtype))
                 if self._master is not None:
@@ -312,15 +338,15 @@ class MegatronTrainEngine:
             ]
         return metrics, keep
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self, grads: list[torch.Tensor | None]) -> float:
         """L2 norm of the full (unsharded) gradient: TP-sharded parts summed over ranks."""
         # accumulated on the parameters' device: NCCL reduces device tensors only
         sharded = torch.zeros(1, dtype=torch.float64, device=self.device)
         replicated = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for p, q in zip(self.params, self._opt_params, strict=True):
-            if q.grad is None:
+        for p, g in zip(self.params, grads, strict=True):
+            if g is None:
                 continue
-            sq = q.grad.detach().double().pow(2).sum()
+            sq = g.detach().double().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
@@ -328,6 +354,32 @@ class MegatronTrainEngine:
         if self.tp > 1:
             dist.all_reduce(sharded, group=self.tp_group)
         return float((sharded + replicated).sqrt().item())
+
+    def _clip_scale(self, grad_norm: float) -> float | None:
+        clip = self.cfg.grad_clip
+        if clip > 0 and math.isfinite(grad_norm) and grad_norm > clip:
+            return clip / (grad_norm + 1e-6)
+        return None
+
+    def _optimizer_step(self, lr: float) -> float:
+        """The unsharded AdamW step over every parameter; returns the gradient norm."""
+        for p, q in zip(self.params, self._opt_params, strict=True):
+            q.grad = p.main_grad.to(q.dtype) if p.main_grad.dtype != q.dtype else p.main_grad
+        grad_norm = self._grad_norm([q.grad for q in self._opt_params])
+        scale = self._clip_scale(grad_norm)
+        if scale is not None:
+            for q in self._opt_params:
+                q.grad.mul_(scale)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self._master is not None:
+            with torch.no_grad():
+                for p, m in zip(self.params, self._master, strict=True):
+                    p.copy_(m)
+        for q in self._opt_params:
+            q.grad = None
+        return grad_norm
 
     def _lr(self) -> float:
         w = self.cfg.warmup_steps
@@ -340,7 +392,7 @@ class MegatronTrainEngine:
             raise ValueError(f"train_step: loss={loss!r}; valid: 'grpo', 'sft'")
         if loss == "grpo" and (batch.old_logprobs is None or not batch.advantages):
             raise ValueError("train_step(grpo): the batch needs advantages and old_logprobs")
-        if self._host_optimizer_state is not None:
+        if self.optimizer_offloaded:
             self.reload_optimizer()
         g = self.grpo
         rollout = keep = None
@@ -397,23 +449,15 @@ class MegatronTrainEngine:
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         self._reduce_gradients()
-        for p, q in zip(self.params, self._opt_params, strict=True):
-            q.grad = p.main_grad.to(q.dtype) if p.main_grad.dtype != q.dtype else p.main_grad
-        grad_norm = self._grad_norm()
-        if self.cfg.grad_clip > 0 and math.isfinite(grad_norm) and grad_norm > self.cfg.grad_clip:
-            scale = self.cfg.grad_clip / (grad_norm + 1e-6)
-            for q in self._opt_params:
-                q.grad.mul_(scale)
         lr = self._lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        if self._master is not None:
-            with torch.no_grad():
-                for p, m in zip(self.params, self._master, strict=True):
-                    p.copy_(m)
-        for q in self._opt_params:
-            q.grad = None
+        if self._zero is not None:
+            # every replica has the full reduced gradient: the norm (and clipping) is the
+            # unsharded one; each owner steps its range and the weights are all-gathered
+            grads = [p.main_grad for p in self.params]
+            grad_norm = self._grad_norm(grads)
+            self._zero.step(self.params, grads, lr=lr, scale=self._clip_scale(grad_norm))
+        else:
+            grad_norm = self._optimizer_step(lr)
         self.steps += 1
         self.version += 1
         tok = max(sums.pop("tokens", 0.0), 1.0)
@@ -434,9 +478,35 @@ class MegatronTrainEngine:
             raise ValueError("use_data_parallel: a group of more than one replica needs a group")
         self._explicit_dp = True
         self.dp_group, self.dp, self.dp_rank = group, size, rank
+        if self._zero is not None:
+            # collective over the group: the replicas holding the state own it, split anew
+            self._zero.regroup(group if size > 1 else None, size, rank, self.params)
+
+    def _param_names(self) -> list[str]:
+        """Megatron names of self.params, in their order."""
+        names = {id(p): n for n, p in self.gpt.named_parameters()}
+        return [names[id(p)] for p in self.params]
+
+    def _all_own(self, size: int, group) -> Owners:
+        """Every replica of a `size`-way group owns a range (megatron's own data parallelism)."""
+        ranges = tuple(split(self._zero.layout.total, size))
+        return Owners(group if size > 1 else None, tuple(range(size)), ranges)
+
+    @property
+    def optimizer_elements(self) -> int:
+        """Optimizer-state elements (moments and fp32 masters) held on this rank."""
+        if self._zero is not None:
+            return self._zero.elements
+        n = sum(
+            t.numel() for st in self.optimizer.state.values() for k, t in st.items() if k != "step"
+        )
+        return n + sum(m.numel() for m in self._master or [])
 
     def optimizer_kinds(self) -> tuple[str, ...]:
-        """The kinds of optimizer state `optimizer_state` returns."""
+        """The kinds of optimizer state `optimizer_state` returns: none with the sharded
+        optimizer, whose joining replicas own no range and so need none of it."""
+        if self._zero is not None:
+            return ()
         return ("exp_avg", "exp_avg_sq", "master") if self._master is not None else OPT_MOMENTS
 
     def optimizer_state(self) -> dict[str, Tensors]:
@@ -444,7 +514,10 @@ class MegatronTrainEngine:
         fp32 master weights ("master") as canonical HF tensors, wherever they are (device,
         or host memory while offloaded); a parameter never stepped has zero moments, as
         AdamW would create them. Collective over the TP group (shards are gathered);
-        `optimizer_step` is the step count they belong to."""
+        `optimizer_step` is the step count they belong to. Sharded: nothing (a joiner takes
+        no state; `full_optimizer_state` gathers it)."""
+        if self._zero is not None:
+            return {}
         names = {id(p): n for n, p in self.gpt.named_parameters()}
         # (parameters released to GPS keep their shapes here)
         shapes = {id(p): shape for p, shape in self._released or []}
@@ -464,9 +537,29 @@ class MegatronTrainEngine:
         # NCCL needs it, so a training set shifted down does not crowd the GPU's new role)
         return {k: self._canonical(v) for k, v in out.items()}
 
+    def full_optimizer_state(self) -> dict[str, Tensors]:
+        """`optimizer_state`'s canonical tensors of the whole state, sharded or not
+        (collective over the data-parallel and TP groups) — for checks and tools."""
+        if self._zero is None:
+            return self.optimizer_state()
+        flat = self._zero.gather()
+        names = self._param_names()
+        offsets = self._zero.layout.offsets
+        kinds = ("exp_avg", "exp_avg_sq", *(["master"] if self._mixed else []))
+        out = {}
+        for kind in kinds:
+            own = {
+                names[i]: flat[kind][offsets[i] : offsets[i + 1]].view(self._shapes[i])
+                for i in range(len(self.params))
+            }
+            out[kind] = self._canonical(own)
+        return out
+
     @property
     def optimizer_step(self) -> int:
         """AdamW's step count (every parameter has the same; 0 before the first step)."""
+        if self._zero is not None:
+            return self._zero.step_count
         host = self._host_optimizer_state
         states = host.values() if host is not None else self.optimizer.state.values()
         steps = {int(st["step"].item()) for st in states if "step" in st}
@@ -481,6 +574,11 @@ class MegatronTrainEngine:
         missing = set(self.optimizer_kinds()) - set(state)
         if missing:
             raise KeyError(f"load_optimizer_state: no {sorted(missing)}")
+        if self._zero is not None:
+            self._load_sharded_state(state, step)
+            self.steps = step
+            self.version = version
+            return
         shards = {
             k: hf_to_megatron(state[k], self.model_cfg, self.tp_rank, self.tp)
             for k in self.optimizer_kinds()
@@ -502,9 +600,31 @@ class MegatronTrainEngine:
         self.steps = step
         self.version = version
 
+    def _load_sharded_state(self, state: dict[str, Tensors], step: int) -> None:
+        """Sharded: with the moments given, hold the whole state until the next
+        `use_data_parallel` keeps what this replica then owns; without (the runtime's
+        joiner, `optimizer_kinds` being empty) hold none — the training set owns it."""
+        if not all(k in state for k in OPT_MOMENTS):
+            self._zero.discard(step)
+            return
+        names = self._param_names()
+        flat = {}
+        for kind in KINDS:
+            if kind == "master" and "master" not in state:  # fp32 model: its weights
+                shard = {n: p.detach() for n, p in self.gpt.named_parameters()}
+            else:
+                shard = hf_to_megatron(state[kind], self.model_cfg, self.tp_rank, self.tp)
+            flat[kind] = torch.cat([shard[n].reshape(-1).float() for n in names])
+        self._zero.hold_full(flat, step)
+
     def discard_optimizer(self) -> None:
         """Drop the optimizer state (a replica leaving elastic training: the others keep
         it, and it takes theirs again when it rejoins)."""
+        if self._zero is not None:
+            self._zero.discard()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
         self.optimizer.state.clear()
         self._host_optimizer_state = self._host_master = None
         if self._master is not None:
@@ -519,6 +639,11 @@ class MegatronTrainEngine:
         copies are freed and, on a GPU, returned to the driver so another role's process
         can use the memory. On a GPU the host copies are pinned and written by async copies
         (one synchronize at the end), so reload is a full-bandwidth DMA."""
+        if self._zero is not None:
+            self._zero.offload(pin=self.device.type == "cuda")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
         if self._host_optimizer_state is not None:
             return
         pin = self.device.type == "cuda"
@@ -541,6 +666,9 @@ class MegatronTrainEngine:
             torch.cuda.empty_cache()
 
     def reload_optimizer(self) -> None:
+        if self._zero is not None:
+            self._zero.reload()
+            return
         host = self._host_optimizer_state
         if host is None:
             return
@@ -564,6 +692,8 @@ class MegatronTrainEngine:
 
     @property
     def optimizer_offloaded(self) -> bool:
+        if self._zero is not None:
+            return self._zero.offloaded
         return self._host_optimizer_state is not None
 
     # ------------------------------------------------- parameters off the device
@@ -617,6 +747,8 @@ class MegatronTrainEngine:
             optim_state_to_sharding_state,
         )
 
+        if self._zero is not None:
+            return self._zero_state_dict(load=False)
         self.reload_optimizer()
         self._init_optimizer_state()
         model_sd = self.gpt.sharded_state_dict()
@@ -639,6 +771,88 @@ class MegatronTrainEngine:
             },
         }
 
+    def _zero_state_dict(self, *, load: bool) -> dict:
+        """The sharded optimizer's checkpoint, in the unsharded one's format (per-parameter
+        tensors sharded like the parameters: any DP, any TP, either optimizer loads it).
+        Saving, each parameter's state is assembled on the owner of its first element and
+        written by it alone; loading, each owner reads the parameters its range touches."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        z = self._zero
+        keys = [k for k in CKPT_KINDS if k != MASTER_KEY or self._mixed]
+        if load:
+            state = {
+                i: {k: torch.empty(self._shapes[i], device=self.device) for k in keys}
+                for i in z.needed()
+            }
+        else:
+            state = {
+                i: {k: parts[CKPT_KINDS[k]].view(self._shapes[i]) for k in keys}
+                for i, parts in z.assemble(key=self.tp_rank).items()
+            }
+        groups = torch.optim.AdamW([torch.empty(1)], **z.hyper).state_dict()["param_groups"]
+        groups[0]["params"] = list(range(len(self.params)))
+        opt_sd = {"state": state, "param_groups": groups}
+        model_sd = self.gpt.sharded_state_dict()
+        id_map = get_param_id_to_sharded_param_map(model_sd, self.params)
+        optim_state_to_sharding_state(opt_sd, id_map, exclude_keys=("step",))
+        for i, st in opt_sd["state"].items():
+            # the owner of a parameter's first element is its main replica (saves it alone;
+            # megatron checks that each element has one); others read a piece of it
+            dp = 0 if not load or z.first_owner_is_me(i) else 1
+            for k, sh in st.items():
+                rid = sh.replica_id  # (pipeline, tensor, data parallel) coordinates
+                st[k] = dataclasses.replace(
+                    sh, replica_id=(*rid[:-1], dp) if isinstance(rid, tuple) else dp
+                )
+        return {
+            "model": model_sd,
+            "optimizer": opt_sd,
+            "engine": {
+                "optimizer_step": z.step_count,
+                "steps": self.steps,
+                "version": self.version,
+                # how many replicas own the state, and whether they were a step's group
+                # (elastic: the training set, the first replicas) — see `_zero_load_layout`
+                "optimizer_owners": z.saved_owners,
+                "optimizer_elastic": self._explicit_dp,
+            },
+        }
+
+    def _zero_load_layout(self, path: Path) -> None:
+        """Who owns what after a load: every replica of the current group, except when the
+        checkpoint comes from elastic training, where its owners were the training set —
+        the first replicas of the training world, which then own it again (a resumed run
+        starts under megatron's world-wide group; extension replicas own nothing)."""
+        from megatron.core import dist_checkpointing
+
+        from pivot_hpc.checkpoint.safe_pickle import data_only_loads
+
+        with data_only_loads(path):
+            engine = dist_checkpointing.load_common_state_dict(str(path)).get("engine", {})
+        n = self.dp
+        if engine.get("optimizer_elastic"):
+            n = min(n, int(engine.get("optimizer_owners", n)))
+        group = self.dp_group if self.dp > 1 else None
+        owners = Owners(group, tuple(range(n)), tuple(split(self._zero.layout.total, n)))
+        self._zero.own(owners, self.dp_rank if self.dp_rank < n else None, self.params)
+
+    def _zero_load(self, path: Path, state: dict) -> None:
+        opt = state.get("optimizer", {}).get("state", {})  # (none on a replica owning none)
+        sources = {}
+        for i in self._zero.needed():
+            st = opt[i]
+            master = st.get(MASTER_KEY)
+            sources[i] = {
+                "master": (master if master is not None else self.params[i].detach()).float(),
+                "exp_avg": st["exp_avg"],
+                "exp_avg_sq": st["exp_avg_sq"],
+            }
+        self._zero.fill(sources, int(state["engine"]["optimizer_step"]))
+
     def save(self, path: str | Path) -> None:
         """Megatron distributed checkpoint of model + optimizer (collective)."""
         from megatron.core import dist_checkpointing
@@ -656,13 +870,23 @@ class MegatronTrainEngine:
 
         from pivot_hpc.checkpoint.safe_pickle import data_only_loads
 
-        template = self._sharded_state_dict()
+        path = Path(path)
+        if self._zero is not None:
+            self._zero_load_layout(path)
+            template = self._zero_state_dict(load=True)
+        else:
+            template = self._sharded_state_dict()
         with data_only_loads(path):  # a checkpoint from someone else is data, never code
             state = dist_checkpointing.load(template, str(path))
         missing, _ = self.gpt.load_state_dict(state["model"], strict=False)
         real_missing = [k for k in missing if not k.endswith("_extra_state")]
         if real_missing:
             raise KeyError(f"checkpoint {path} lacks {real_missing[:4]}")
+        if self._zero is not None:
+            self._zero_load(path, state)
+            self.steps = int(state["engine"]["steps"])
+            self.version = int(state["engine"]["version"])
+            return
         opt = state["optimizer"]
         step = torch.tensor(float(state["engine"]["optimizer_step"]))
         for i, st in opt["state"].items():

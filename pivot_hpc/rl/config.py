@@ -120,14 +120,14 @@ class TrainerConfig:
     collective_timeout_s: float = 1800.0
     # Memory knobs. `pivot-hpc plan` (docs/plan.md) sizes training's GPU memory for the
     # values set here and the launchers refuse a config that does not fit. The Megatron
-    # engine runs `attention` and `recompute` as set; `distributed_optimizer: true` is
-    # refused by a live run until the engine shards its optimizer (runtime/world.py).
+    # engine runs `attention`, `recompute` and `distributed_optimizer` as set.
     # Attention: "local" = megatron's local layer spec (unfused: materialises the
     # [heads, s, s] scores, ~6 B x heads x s^2 per layer kept for backward); "sdpa" = a fused
     # kernel (flash / scaled_dot_product_attention) that never materialises them.
     attention: Literal["local", "sdpa"] = "local"
     # Shard the optimizer state (fp32 master weights + Adam moments, 12 B/param) over the
-    # data-parallel ranks (megatron's distributed optimizer); false = a full copy per rank.
+    # data-parallel ranks (ZeRO-1, engines/sharded_adam.py; with elastic training over the
+    # training set only: joining replicas own none); false = a full copy per rank.
     distributed_optimizer: bool = False
     # Activation recompute: "none" keeps every layer's activations for backward;
     # "selective" recomputes core attention (drops the local spec's scores); "full" keeps

@@ -16,7 +16,10 @@ parallelism changes between steps.
   when training in bf16 — as float32 models with the policy's architecture (the same
   canonical names and tensor-parallel cuts), at the policy version they belong to. The
   joiner waits for that version, loads it, and continues exactly where the others are;
-  a replica that leaves discards its copy.
+  a replica that leaves discards its copy. With the sharded optimizer
+  (`rl.trainer.distributed_optimizer`) the training set owns the whole state and a joiner
+  takes none (`optimizer_kinds()` is empty: nothing is published or read): a replica that
+  leaves must not take a shard with it, and a shift down never meets the set.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ def optimizer_models(policy: ModelSpec, *, masters: bool) -> dict[str, ModelSpec
 
 
 def run_optimizer_models(cfg: Config, policy: ModelSpec) -> dict[str, ModelSpec]:
-    """A run's optimizer-state models: none without elastic training. Masters wherever
-    the trainer is not fixed to fp32 (every rank registers the same models, before it
-    knows whether it sees a GPU)."""
-    if not elastic_live(cfg):
+    """A run's optimizer-state models: none without elastic training, nor with the
+    sharded optimizer (the training set owns all of it; a joiner reads none). Masters
+    wherever the trainer is not fixed to fp32 (every rank registers the same models,
+    before it knows whether it sees a GPU)."""
+    if not elastic_live(cfg) or cfg.rl.trainer.distributed_optimizer:
         return {}
     return optimizer_models(policy, masters=cfg.rl.trainer.dtype != "fp32")
 

@@ -2,8 +2,11 @@
 real pieces — megatron-core trainers on gloo, optimizer state through GPS, the process
 groups of runtime/elastic.py.
 
-`mpirun -n 3 python elastic_worker.py OUT.json`: rank 0 is the node's host rank (GPS
-window), ranks 1 and 2 are trainers (torch ranks 0 and 1). On each trainer rank:
+`mpirun -n 3 python elastic_worker.py OUT.json [sharded]`: rank 0 is the node's host rank
+(GPS window), ranks 1 and 2 are trainers (torch ranks 0 and 1). `sharded`: the trainers
+shard their optimizer (`distributed_optimizer`, engines/sharded_adam.py): the training set
+(rank 1) owns all of it in A and D, a joiner takes none; B and C split it in halves.
+On each trainer rank:
 
 - run A grows and shrinks: step 1 on rank 1 alone (DP 1); rank 2 joins through GPS (the
   policy and the optimizer state rank 1 publishes); step 2 at DP 2; rank 2 leaves; step 3
@@ -14,7 +17,8 @@ window), ranks 1 and 2 are trainers (torch ranks 0 and 1). On each trainer rank:
 - run D grows like A but the joiner starts with fresh optimizer state (what re-sharding
   through GPS prevents).
 
-Rank 1 writes the measurements to OUT.json; any failed check raises (world aborts).
+Rank 1 writes the measurements to OUT.json and A's and B's final weights to OUT.pt; any
+failed check raises (world aborts).
 """
 
 from __future__ import annotations
@@ -95,10 +99,19 @@ def trainers(rank, comm, gps, world, arch, canonical) -> dict:
         )
 
     batches = [batch(s) for s in range(4)]  # the same on both ranks (same generator)
+    sharded = sys.argv[2:] == ["sharded"]
 
     def engine() -> MegatronTrainEngine:
         e = MegatronTrainEngine(
-            arch, TrainerConfig(tp=1, lr=2e-3, seed=0, grad_clip=1.0, micro_batch_size=2)
+            arch,
+            TrainerConfig(
+                tp=1,
+                lr=2e-3,
+                seed=0,
+                grad_clip=1.0,
+                micro_batch_size=2,
+                distributed_optimizer=sharded,
+            ),
         )
         e.load_weights(canonical)
         return e
@@ -155,6 +168,7 @@ def trainers(rank, comm, gps, world, arch, canonical) -> dict:
         res["reshard_tensors"] = sum(len(v) for v in mine.values())
         res["reshard_step"] = [a.optimizer_step, a.steps, a.version]
     step(a, batches[1], both)
+    res[f"elements_a_rank{rank}"] = a.optimizer_elements  # sharded: rank 1 owns it all
     a_after2 = params(a)
     peer = comm.sendrecv(
         {k: v.numpy() for k, v in a_after2.items()}, dest=3 - rank, source=3 - rank
@@ -178,6 +192,7 @@ def trainers(rank, comm, gps, world, arch, canonical) -> dict:
         if i == 1:
             b_after2 = params(b)
     b_final = params(b)
+    res[f"elements_b_rank{rank}"] = b.optimizer_elements  # sharded: half each
 
     # run C: megatron's own reduction at DP 2 (its data-parallel group is both ranks)
     c = engine()
@@ -217,12 +232,14 @@ def trainers(rank, comm, gps, world, arch, canonical) -> dict:
     step(e2, batches[0], both)
     if rank == 1:
         diffs["dp1_vs_dp2_step1_gap"] = maxdiff(params(e1), params(e2))
+        torch.save({"a_final": a_final, "b_final": b_final}, sys.argv[1] + ".pt")
     theirs = comm.sendrecv(diffs, dest=3 - rank, source=3 - rank)
     for k, v in diffs.items():  # the worse of the two ranks
         res[k] = max(v, theirs.get(k, v))
     bitwise = comm.sendrecv(res["explicit_vs_megatron_bitwise"], dest=3 - rank, source=3 - rank)
     res["explicit_vs_megatron_bitwise"] = res["explicit_vs_megatron_bitwise"] and bitwise
     other = comm.sendrecv(res, dest=3 - rank, source=3 - rank)  # (rank 0 only hosts GPS)
+    res["sharded"] = sharded
     return {**other, **res} if rank == 1 else {}
 
 

@@ -323,14 +323,13 @@ def test_shipped_gpu_configs_size_the_kv_pool_from_free_memory() -> None:
         assert cfg.engines.reward.mem_fraction_static is None, path
 
 
-def test_a_live_run_refuses_the_distributed_optimizer_it_does_not_have() -> None:
-    """The plan sizes it; the engine does not shard yet: one line before launch, not an
-    out-of-memory error on the first GPU step."""
-    from pivot_hpc.errors import PivotError
+def test_a_live_run_takes_the_distributed_optimizer_the_plan_sizes() -> None:
+    """The plan divides the optimizer state by dp with it; the engine shards it
+    (engines/sharded_adam.py), so the launch check passes it."""
     from pivot_hpc.runtime.world import check_live_config
 
-    cfg, _ = load_for_plan(str(GROUPS[0]), [])
-    with pytest.raises(PivotError, match="rl.trainer.distributed_optimizer=false"):
+    for flag in ("true", "false"):
+        cfg, _ = load_for_plan(str(GROUPS[0]), [f"rl.trainer.distributed_optimizer={flag}"])
         check_live_config(cfg)
     cfg, _ = load_for_plan(str(GROUPS[0]), ["rl.trainer.distributed_optimizer=false"])
     check_live_config(cfg)

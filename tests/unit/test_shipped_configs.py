@@ -53,7 +53,7 @@ def test_one_config_per_group_and_no_second_vocabulary() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_live_reading(path: Path, tmp_path: Path) -> None:
     from pivot_hpc.planning import check_memory
-    from pivot_hpc.runtime.world import LayoutError, check_before_launch
+    from pivot_hpc.runtime.world import check_before_launch
 
     cfg = load_config(path, _planted(tmp_path, path))
     policy_tp, genrm_tp, gpus, train, _policy, _genrm = TABLE[path.name.split("-")[0]]
@@ -73,9 +73,7 @@ def test_live_reading(path: Path, tmp_path: Path) -> None:
     rollout, reward = cfg.deployment.rollout_gpus, cfg.deployment.reward_gpus
     assert rollout is not None and reward is not None and rollout + reward + train == gpus
     check_memory(cfg)  # fits 96 GB H20s as shipped: the launchers' first check passes
-    # ... and the live runtime's own limit is the one the header documents
-    with pytest.raises(LayoutError, match="distributed_optimizer"):
-        check_before_launch(cfg)
+    check_before_launch(cfg)  # ... and nothing the live runtime cannot run
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

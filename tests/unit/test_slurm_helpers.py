@@ -86,7 +86,6 @@ def test_sacct_cache_is_written_private_and_read_only_when_trusted(tmp_path: Pat
 @pytest.mark.parametrize(
     "override, says",
     [
-        ("rl.trainer.distributed_optimizer=true", "distributed_optimizer=false"),
         ("cluster.gpu_memory_gib=0.001", "memory plan: rollout needs"),
     ],
 )
