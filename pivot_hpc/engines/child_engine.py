@@ -1,25 +1,30 @@
-"""The `hf` engine in a child process of its worker rank (`engines.<role>.process: child`).
+"""An engine in a child process of its worker rank (`engines.<role>.process: child`).
 
 Production engines run outside the rank that drives them (SGLang's scheduler and
 detokenizer, vLLM's engine core): the rank then owns a process whose signals, death and
-memory are separate from its own. `ChildEngine` gives the `hf` engine the same shape, so
-what that shape demands is tested on CPU with a real engine process: the job's stop
-signals do not reach it (engines/job_signals.py), and its exit is the rank's to notice.
+memory are separate from its own. `ChildEngine` runs the `hf` engine or the `vllm` adapter
+(vLLM in-process inside the child: vllm_launch.py) in such a process. What that shape
+demands is tested on CPU with real engine processes: the job's stop signals do not reach
+the engine (engines/job_signals.py), and its exit is one error for the rank, not a hang.
 
-The child is `python -m pivot_hpc.engines.child_engine FD_IN FD_OUT`; each InferenceEngine
-call is one request and one reply over a pipe pair (plain pickle, tensors by value: both
-ends are this job's own processes, nothing is read from disk; torch's shared-memory
-reductions would need multiprocessing's resource sharer). The child gets no MPI environment (it must not
-join the world), exits when its pipe closes (the rank died or closed it), and is killed
-by the rank on close if it does not.
+The child is `python -m pivot_hpc.engines.child_engine FD_IN FD_OUT LOG_FD`; each
+InferenceEngine call is one request and one reply over a pipe pair (plain pickle, tensors
+by value: both ends are this job's own processes, nothing is read from disk; torch's
+shared-memory reductions would need multiprocessing's resource sharer). The child gets no
+MPI environment (it must not join the world, nor see its torch.distributed group), exits
+when its pipe closes (the rank died or closed it), and is killed by the rank on close if it
+does not. Its library log records (WARNING and above) go to the rank's log file
+(runtime/library_noise.py) through an inherited descriptor.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -28,7 +33,13 @@ from pivot_hpc.engines.job_signals import JOB_SIGNALS, spawn_shielded
 from pivot_hpc.errors import PivotError
 
 # variables that would make the child think it is an MPI rank (OpenMPI, PMIx, Slurm PMI)
+# or a member of the rank's torch.distributed world
 _MPI_ENV = ("OMPI_", "PMIX_", "PMI_", "MPI4PY_")
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# how often a rank waiting for a reply checks that the child still lives: the pipe alone
+# would not tell if a process the child started kept its end open
+_LIVENESS_S = 0.5
+KINDS = ("hf", "vllm")
 
 
 class EngineProcessError(PivotError, RuntimeError):
@@ -36,18 +47,32 @@ class EngineProcessError(PivotError, RuntimeError):
 
 
 class ChildEngine:
-    """An InferenceEngine whose engine (`HFEngine` over `model_dir`) runs in a child process.
+    """An InferenceEngine whose engine runs in a child process.
 
-    `engine_kwargs` are HFEngine's keyword arguments (picklable values)."""
+    kind "hf": `kwargs` are HFEngine's keyword arguments plus `device`. kind "vllm":
+    make_vllm_engine's keyword arguments (`ec`, `role`, `tp`, `kv_capacity_tokens`,
+    `seed`). Values must pickle. `watchdog_s`: a call not answered within this many
+    seconds (the process alive but hung) kills the process and raises EngineProcessError
+    (`engines.<role>.watchdog_timeout_s`); None: wait as long as it lives."""
 
-    def __init__(self, model_dir: str, engine_kwargs: dict[str, Any], device: str) -> None:
+    def __init__(
+        self, kind: str, model_dir: str, kwargs: dict[str, Any], watchdog_s: float | None = None
+    ) -> None:
+        self.watchdog_s = watchdog_s
+        if kind not in KINDS:
+            raise ValueError(f"ChildEngine: kind {kind!r} is not one of {KINDS}")
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV)}
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV) and k not in _DIST_ENV
+        }
+        log_fd = _rank_log_fd()
+        fds = (to_child_r, from_child_w) + ((log_fd,) if log_fd is not None else ())
+        argv = [str(to_child_r), str(from_child_w), str(-1 if log_fd is None else log_fd)]
         self._proc = spawn_shielded(
             lambda: subprocess.Popen(
-                [sys.executable, "-P", "-m", __name__, str(to_child_r), str(from_child_w)],
-                pass_fds=(to_child_r, from_child_w),
+                [sys.executable, "-P", "-m", __name__, *argv],
+                pass_fds=fds,
                 env=env,
                 stdin=subprocess.DEVNULL,
             )
@@ -57,13 +82,31 @@ class ChildEngine:
         self._send = Connection(to_child_w, readable=False)
         self._recv = Connection(from_child_r, writable=False)
         self.pid = self._proc.pid
-        info = self._call("_start", model_dir, engine_kwargs, device)
+        self.kind = kind
+        try:
+            info = self._call("_start", kind, model_dir, kwargs)
+        except BaseException:
+            self._stop()
+            raise
         self.weights_device: str = info["weights_device"]
         self.version: int = info["version"]
+        self.info: dict[str, Any] = info  # the engine's limits (max_batch, kv_capacity, ...)
 
     def _call(self, name: str, *args: Any) -> Any:
         try:
             self._send.send_bytes(pickle.dumps((name, args)))
+            deadline = None if self.watchdog_s is None else time.monotonic() + self.watchdog_s
+            while not self._recv.poll(_LIVENESS_S):
+                if self._proc.poll() is not None and not self._recv.poll(0):
+                    raise EOFError  # gone, and no reply written before it went
+                if deadline is not None and time.monotonic() > deadline:
+                    self._proc.kill()  # alive but hung: the watchdog ends it
+                    self._proc.wait()
+                    raise EngineProcessError(
+                        f"{self.kind} engine process {self._proc.pid} did not answer {name} "
+                        f"within {self.watchdog_s:g}s (engines.<role>.watchdog_timeout_s): "
+                        "killed by the watchdog"
+                    )
             # a message from this rank's own child over its private pipe, never a file
             ok, value = pickle.loads(self._recv.recv_bytes())
         except (EOFError, OSError):
@@ -84,7 +127,9 @@ class ChildEngine:
             if code < 0
             else f"exited with code {code}"
         )
-        return EngineProcessError(f"engine process {self._proc.pid} {how} (during {name})")
+        return EngineProcessError(
+            f"{self.kind} engine process {self._proc.pid} {how} (during {name})"
+        )
 
     # ---- InferenceEngine -------------------------------------------------------------------
     def add(
@@ -143,6 +188,9 @@ class ChildEngine:
                 self._call("close")
             except EngineProcessError:
                 pass
+        self._stop()
+
+    def _stop(self) -> None:
         for conn in (self._send, self._recv):
             conn.close()
         try:
@@ -150,6 +198,20 @@ class ChildEngine:
         except subprocess.TimeoutExpired:
             self._proc.kill()  # it ignores the job's signals: only SIGKILL is sure
             self._proc.wait()
+
+
+def _rank_log_fd() -> int | None:
+    """The descriptor of the file this rank's library records go to (a root-logger stream
+    handler on a file: runtime/library_noise.py), or None."""
+    for h in logging.getLogger().handlers:
+        stream = getattr(h, "stream", None)
+        if type(h) is not logging.StreamHandler or stream in (sys.stderr, sys.stdout):
+            continue
+        try:
+            return stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            continue
+    return None
 
 
 def _serve(recv: Connection, send: Connection) -> None:
@@ -163,7 +225,14 @@ def _serve(recv: Connection, send: Connection) -> None:
         try:
             if name == "_start":
                 engine = _build(*args)
-                value: Any = {"weights_device": engine.weights_device, "version": engine.version}
+                value: Any = {
+                    k: getattr(engine, k)
+                    for k in ("weights_device", "version", "max_batch", "max_seq_len")
+                    if hasattr(engine, k)
+                }
+                value["kv_capacity"] = engine.stats().kv_capacity
+            elif name == "close":
+                value = None  # the process's exit frees it all, at once (vLLM's shutdown: s)
             else:
                 assert engine is not None, "the engine was not started"
                 value = getattr(engine, name)(*args)
@@ -171,16 +240,31 @@ def _serve(recv: Connection, send: Connection) -> None:
         except Exception as exc:  # the rank re-raises it where the call was made
             reply = (False, exc)
         send.send_bytes(pickle.dumps(reply))
-        if name == "close":
+        if name == "close" or (name == "_start" and not reply[0]):
             return
 
 
-def _build(model_dir: str, engine_kwargs: dict[str, Any], device: str) -> InferenceEngine:
+def _build(kind: str, model_dir: str, kwargs: dict[str, Any]) -> InferenceEngine:
+    if kind == "vllm":
+        from pivot_hpc.engines.vllm_launch import make_vllm_engine
+
+        return make_vllm_engine(model_dir=model_dir, **kwargs)
     from pivot_hpc.engines.hf_engine import HFEngine
     from pivot_hpc.models.zoo import load_model
 
+    kwargs = dict(kwargs)
+    device = kwargs.pop("device", "cpu")
     model, tok = load_model(model_dir)
-    return HFEngine(model.to(device), eos_token_id=tok.eos_token_id, **engine_kwargs)
+    return HFEngine(model.to(device), eos_token_id=tok.eos_token_id, **kwargs)
+
+
+def _route_logs(fd: int) -> None:
+    """Library records and warnings (WARNING and above) to the rank's log file."""
+    handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    logging.captureWarnings(True)
 
 
 if __name__ == "__main__":
@@ -188,6 +272,10 @@ if __name__ == "__main__":
 
     for s in JOB_SIGNALS:  # already ignored since the fork; kept so even if started by hand
         signal.signal(s, signal.SIG_IGN)
+    if int(sys.argv[3]) >= 0:
+        _route_logs(int(sys.argv[3]))
     _serve(
         Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
     )
+    logging.shutdown()
+    os._exit(0)  # no interpreter teardown: the engine's threads and atexit hooks hold nothing

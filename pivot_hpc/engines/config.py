@@ -37,7 +37,7 @@ SGLANG_OWNED_ARGS = frozenset(
 DEVICES = ("auto", "cpu", "cuda")
 # EngineArgs the vllm adapter sets itself (pivot_hpc.engines.vllm_launch): token ids in and
 # out, the KV cache sized from the role's kv_capacity_tokens, logprobs in the contract's
-# sense, one process (the worker rank's), and the shared keys above.
+# sense, one process (vLLM's engine core where the adapter runs), and the shared keys above.
 VLLM_OWNED_ARGS = frozenset(
     {
         "model",
@@ -62,8 +62,9 @@ VLLM_OWNED_ARGS = frozenset(
 @dataclass(kw_only=True)
 class InferenceEngineConfig:
     """`hf` = the embedded continuous-batching engine (CPU, or the worker's GPU);
-    `sglang` = the GPU production engine; `vllm` = vLLM 0.32 in the worker rank's process
-    (CPU build or CUDA build, pivot_hpc.engines.vllm_engine; docs/engines.md).
+    `sglang` = the GPU production engine; `vllm` = vLLM 0.32, by default in a child process
+    of the worker rank (CPU build or CUDA build, pivot_hpc.engines.vllm_engine;
+    docs/engines.md).
 
     The shared keys reach vLLM as: max_batch → max_num_seqs, max_seq_len → max_model_len,
     prefill_chunk_tokens → max_num_batched_tokens, the role's kv_capacity_tokens → the KV
@@ -77,15 +78,17 @@ class InferenceEngineConfig:
     # its chunked_prefill_size): bounds a step's latency, and so how long an abort or shift
     # waits for the engine
     prefill_chunk_tokens: int = 4096
-    num_threads: int = 1  # torch threads of the worker process (hf; sglang: not used)
+    num_threads: int = 1  # torch threads of the engine's process (hf, vllm; sglang: not used)
     seed: int = 0  # sampling seed; each worker samples with seed + rl.trainer.seed + its rank
     # hf: where the model, its KV cache and GPS reads live; auto = the worker's GPU if it
     # has one (cluster binding: one GPU per worker), else CPU. sglang always runs on GPUs.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # hf: where the engine runs. in_rank = in the worker rank's own process; child = in a
-    # child process of the rank, the shape production engines have (the job's stop signals
-    # do not reach it, its death is the rank's to notice: engines/child_engine.py)
-    process: Literal["in_rank", "child"] = "in_rank"
+    # hf and vllm: where the engine runs. in_rank = in the worker rank's own process; child
+    # = in a child process of the rank, the shape production engines have (the job's stop
+    # signals do not reach it, its death is one error for the rank, and vLLM there is
+    # apart from the training ranks' torch.distributed world: engines/child_engine.py);
+    # auto = child for vllm, in_rank for hf (docs/engines.md). sglang: not used
+    process: Literal["auto", "in_rank", "child"] = "auto"
     # A YAML file written by `pivot-hpc profile`; its fitted constants replace the role's
     # `throughput` section (see pivot_hpc.engines.profile.apply_profiles).
     throughput_profile: Path | None = None
@@ -113,7 +116,9 @@ class InferenceEngineConfig:
     # would read weights while they are overwritten)
     pause_mode: Literal["retract", "in_place"] = "retract"
     # SGLang's watchdog kills its scheduler when one forward batch takes longer than this;
-    # a large model's first batches and a paused weight update can (SGLang's default: 300)
+    # a large model's first batches and a paused weight update can (SGLang's default: 300).
+    # An engine in a child process (`process: child`) that does not answer one call within
+    # this long is killed by its rank and handled as a dead engine (runtime/engine_guard.py).
     watchdog_timeout_s: float = 1800.0
     # Extra SGLang ServerArgs (e.g. attention_backend, disable_cuda_graph, dtype); the
     # adapter owns the keys in SGLANG_OWNED_ARGS.
@@ -124,6 +129,11 @@ class InferenceEngineConfig:
     # the model directory's, block_size 32 on CPU (the smallest its attention supports, so
     # the KV cache is counted in tokens nearly as the scheduler counts it), eager mode.
     vllm_args: dict[str, str | int | float | bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # resolved at once, so checkpoints record (and compare) the mode the run used
+        if self.process == "auto":
+            self.process = "child" if self.engine == "vllm" else "in_rank"
 
     def validate(self, path: str) -> None:
         if self.max_batch < 1:

@@ -1,9 +1,10 @@
 """Build a role's InferenceEngine from the run config (docs/design.md §5).
 
 `engines.<role>.engine` picks it: `hf` (CPU or the worker's GPU, embedded), `sglang`
-(GPU, one SGLang Engine per replica leader over the replica's `tp` GPUs) or `vllm` (vLLM
-in the worker's process, CPU or GPU build: vllm_launch.py). sglang and vllm are imported
-only here, lazily.
+(GPU, one SGLang Engine per replica leader over the replica's `tp` GPUs) or `vllm` (vLLM,
+CPU or GPU build: vllm_launch.py). `engines.<role>.process` says where `hf` and `vllm` run:
+in the worker rank's process or in a child of it (child_engine.py; vLLM's default). sglang
+and vllm are imported only here, lazily.
 
 Config keys and where they go: `max_batch`, `max_seq_len`, `prefill_chunk_tokens` and the
 sampling `seed` reach both engines (SGLang: max_running_requests, context_length,
@@ -42,11 +43,21 @@ def make_inference_engine(
     ec: InferenceEngineConfig = getattr(cfg.engines, role)
     rc = getattr(cfg, role)  # InferenceRoleConfig: tp, kv_capacity_tokens
     if ec.engine == "vllm":
-        from pivot_hpc.engines.vllm_launch import make_vllm_engine
+        from pivot_hpc.engines.vllm_launch import check_installed, make_vllm_engine
 
-        return make_vllm_engine(
-            ec, model_dir, role=role, tp=rc.tp, kv_capacity_tokens=rc.kv_capacity_tokens, seed=seed
-        )
+        vllm_args = {
+            "ec": ec,
+            "role": role,
+            "tp": rc.tp,
+            "kv_capacity_tokens": rc.kv_capacity_tokens,
+            "seed": seed,
+        }
+        if ec.process == "child":  # vLLM's default: vllm_launch.py, docs/engines.md
+            from pivot_hpc.engines.child_engine import ChildEngine
+
+            check_installed(f"engines.{role}.engine")  # one line here, not the child's trace
+            return ChildEngine("vllm", str(model_dir), vllm_args, watchdog_s=ec.watchdog_timeout_s)
+        return make_vllm_engine(model_dir=model_dir, **vllm_args)
     if ec.engine == "sglang":
         return make_sglang_engine(
             ec,
@@ -73,7 +84,9 @@ def make_inference_engine(
     if ec.process == "child":
         from pivot_hpc.engines.child_engine import ChildEngine
 
-        return ChildEngine(str(model_dir), hf_args, device)
+        return ChildEngine(
+            "hf", str(model_dir), {**hf_args, "device": device}, watchdog_s=ec.watchdog_timeout_s
+        )
     model, tok = load_model(model_dir)
     return HFEngine(model.to(device), eos_token_id=tok.eos_token_id, **hf_args)
 

@@ -11,10 +11,11 @@ engine children must not act on them at all.
 A disposition set to SIG_IGN survives fork and exec (a handler does not), and nothing in
 an engine child sets these signals again, so children are started with the job's stop
 signals ignored — only for the instant of the fork, so that the rank itself keeps its
-own handlers and misses no signal. `shielded()` does that for children started directly
-(`subprocess`) and for those a library starts through `multiprocessing` (SGLang's
-scheduler and detokenizer, vLLM's engine core). The rank stops its children itself
-(close, then SIGKILL), and a child also exits when its rank's pipe closes.
+own handlers and misses no signal. `spawn_shielded()` does that for children started
+directly (`subprocess`: child_engine.py, which hosts the `hf` engine or vLLM with its engine
+core in-process), `shielded()` for those a library starts through `multiprocessing`
+(SGLang's scheduler and detokenizer). The rank stops its children itself (close, then
+SIGKILL), and a child also exits when its rank's pipe closes.
 """
 
 from __future__ import annotations

