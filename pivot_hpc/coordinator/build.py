@@ -133,6 +133,7 @@ def build(cfg: Config, backend: Backend) -> Job:
         if cfg.scheduler.admission == "pipeline"
         else None,
         rebalance=cfg.scheduler.rebalance,
+        restart_window_s=cfg.deployment.engine_restart_window_s,
     )
     backend.ready(coord)
     return Job(

@@ -16,8 +16,15 @@ class DeploymentConfig:
     staleness: int | None = None  # None: 0 for colocated, 2 otherwise (App. E)
     rollout_gpus: int | None = None  # disaggregated split (and static/rule's start)
     reward_gpus: int | None = None  # disaggregated split: GenRM GPUs
+    # An inference replica whose engine process dies is shifted down (its sequences move
+    # with their tokens) and restarted on its GPUs, refit from GPS. One that dies again
+    # within this many seconds of its last death is excluded instead: its GPUs leave the
+    # inference roles for the rest of the allocation. 0 = always restart.
+    engine_restart_window_s: float = 600.0
 
     def validate(self, path: str) -> None:
+        if not 0 <= self.engine_restart_window_s < float("inf"):
+            fail(f"{path}.engine_restart_window_s", self.engine_restart_window_s, "seconds >= 0")
         if self.staleness is not None and self.staleness < 0:
             fail(f"{path}.staleness", self.staleness, "must be >= 0")
         if self.mode == "colocated" and self.staleness:

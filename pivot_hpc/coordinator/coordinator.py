@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pivot_hpc.coordinator.cluster import Cluster
 from pivot_hpc.coordinator.events import (
+    ReplicaFailed,
     SequenceFinished,
     ShiftDone,
     TrainingDone,
@@ -64,6 +65,11 @@ class Stats:
     plans: int = 0
     migrated: int = 0
     rebalanced: int = 0  # sequences moved onto idle replicas (scheduler.rebalance)
+    engine_failures: int = 0  # replicas whose engine died while serving
+    engine_restarts: int = 0  # of those, restarted (refit from GPS) on their GPUs
+    sequences_recovered: int = 0  # sequences of dead replicas kept with their tokens
+    tokens_regenerated: int = 0  # decoded after the last refresh before a death (bound)
+    excluded: list[str] = field(default_factory=list)  # replicas that died twice too soon
     events: int = 0  # cluster events handled
     # (step, start, end, rollout tokens, reward tokens, trained tokens) per trained step
     # (step, start, end, rollout, reward, train tokens, made rollout, made reward tokens)
@@ -94,6 +100,7 @@ class Coordinator:
         strategy: str = "",
         admission: PipelineAdmission | None = None,
         rebalance: bool = False,
+        restart_window_s: float = 600.0,
     ) -> None:
         self.cluster = cluster
         self.topology = topology
@@ -129,7 +136,9 @@ class Coordinator:
         # through `self.topology`.
         self.fits = {r: OnlineFit() for r in INFERENCE_ROLES} if refit_throughput else {}
         self.shifts = ShiftExecutor(
-            self, ShiftClock(topology.shift_time) if refit_shift_time else None
+            self,
+            ShiftClock(topology.shift_time) if refit_shift_time else None,
+            restart_window_s=restart_window_s,
         )
         # Elastic training (planner.elastic_training; the topology has extension slots):
         # before each step the planner picks its data-parallel size (planner/elastic.py)
@@ -197,6 +206,8 @@ class Coordinator:
             self._on_trained(ev)
         elif isinstance(ev, WeightsUpdated):
             pass  # the replica_version was set when the update was requested (see below)
+        elif isinstance(ev, ReplicaFailed):
+            self.shifts.on_failure(ev)
         else:
             raise TypeError(f"unknown event {ev!r}")
 

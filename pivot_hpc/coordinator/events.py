@@ -54,4 +54,21 @@ class WeightsUpdated:
     version: int
 
 
-Event = SequenceFinished | ShiftDone | TrainingDone | WeightsUpdated
+@dataclass(frozen=True)
+class ReplicaFailed:
+    """An inference engine process died (docs/design.md §5). Serving replica `rid`: its
+    sequences come back with the tokens streamed before the death (`tokens_lost` are
+    generated again). `rid` "": the engine of a role its GPU was not serving (`where`
+    names it); a fresh one starts at that GPU's next shift-up."""
+
+    t: float
+    role: str
+    rid: str
+    where: str
+    cause: str
+    sequences: int = 0
+    tokens_kept: int = 0
+    tokens_lost: int = 0
+
+
+Event = SequenceFinished | ShiftDone | TrainingDone | WeightsUpdated | ReplicaFailed

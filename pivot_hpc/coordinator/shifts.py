@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from pivot_hpc.coordinator.cluster import Cluster
-from pivot_hpc.coordinator.events import SequenceFinished, ShiftDone
+from pivot_hpc.coordinator.events import ReplicaFailed, SequenceFinished, ShiftDone
 from pivot_hpc.coordinator.monitor import ShiftClock
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState
 from pivot_hpc.planner import ShiftPlan, Topology, TrainingState, role_of
@@ -54,7 +54,9 @@ class ShiftHost(Protocol):
 
 
 class ShiftExecutor:
-    def __init__(self, coordinator: ShiftHost, clock: ShiftClock | None) -> None:
+    def __init__(
+        self, coordinator: ShiftHost, clock: ShiftClock | None, restart_window_s: float = 600.0
+    ) -> None:
         self.c = coordinator
         self.clock = clock  # τ_shift refit from the shifts measured here (None: off)
         self.owner: dict[int, str] = {}  # GPU -> replica holding or shifting on it
@@ -75,6 +77,12 @@ class ShiftExecutor:
         # its penalty: its break-even φ / (T_expected − T_current) after the decision.
         # Until then a plan that moves them back undoes a shift that has not paid (pivot+).
         self.repaid_at: dict[tuple[str, str], float] = {}
+        # Engine deaths (on_failure): when each replica last died; the replicas to start
+        # again once their shift-down is done; those that died twice within the window.
+        self.restart_window_s = restart_window_s
+        self.died_at: dict[str, float] = {}
+        self.restarting: set[str] = set()
+        self.excluding: set[str] = set()
 
     def gpus_free(self, rid: str) -> bool:
         return all(g not in self.owner for g in self.c.topology.gpus_of(rid))
@@ -228,6 +236,13 @@ class ShiftExecutor:
             if follower is not None:  # its own shift starts now (τ_shift measures this)
                 self._shift_t0[follower] = ev.t
             self.replica_version.pop(rid, None)
+            if rid in self.excluding:  # its GPUs leave the inference roles
+                self.excluding.discard(rid)
+                self.c.topology = self.c.topology.without_gpus(self.c.topology.gpus_of(rid))
+            if rid in self.restarting:  # a fresh engine, refit from GPS before it serves
+                self.restarting.discard(rid)
+                self.c.stats.engine_restarts += 1
+                self.pending_up.append(rid)
             self._start_pending()
         else:
             self.c.stats.shifts_up += 1
@@ -242,6 +257,55 @@ class ShiftExecutor:
                     self.send_version(rid, have=self.up_version.pop(rid, self.c.rl.version))
                 self._arrived.setdefault(role, []).append(rid)
         self._log_allocation()
+
+    def on_failure(self, ev: ReplicaFailed) -> None:
+        """An engine process died: for a serving replica, an unplanned shift-down. Its
+        sequences come back with the tokens kept for them and run elsewhere (Alg. 3; the
+        dead engine's worker answers the aborts); the replica is then started again on its
+        GPUs (the shift-up reads the current policy from GPS before it serves), or, dying
+        within the restart window of its last death, excluded. The engine of a role its
+        GPU was not serving is replaced at that GPU's next shift-up (the worker drops it)."""
+        stats = self.c.stats
+        stats.engine_failures += 1
+        stats.sequences_recovered += ev.sequences
+        stats.tokens_regenerated += ev.tokens_lost
+        rid, role = ev.rid, ev.role
+        arrived = rid in self._arrived.get(role, [])  # up, not yet filled (Alg. 4)
+        serving = bool(rid) and rid not in self.shifting
+        serving = serving and (rid in self.c.schedulers[role].replicas or arrived)
+        last = self.died_at.get(rid) if serving else None
+        again = last is not None and ev.t - last < self.restart_window_s
+        if serving:
+            self.died_at[rid] = ev.t
+        self.c.telemetry.failure(
+            ev.t,
+            replica=rid or ev.where,
+            role=role,
+            action="excluded" if again else "restart" if serving else "replaced",
+            sequences=ev.sequences,
+            tokens_kept=ev.tokens_kept,
+            tokens_lost=ev.tokens_lost,
+            cause=ev.cause[:200],
+        )
+        print(f"pivot-hpc: {rid or ev.where}: {ev.cause}", flush=True)
+        if not serving:
+            return
+        if again:
+            stats.excluded.append(rid)
+            print(
+                f"pivot-hpc: {rid} died again {ev.t - last:.0f}s after its last death "
+                f"(deployment.engine_restart_window_s={self.restart_window_s:g}): its GPUs "
+                f"{list(self.c.topology.gpus_of(rid))} leave the inference roles",
+                flush=True,
+            )
+        (self.excluding if again else self.restarting).add(rid)
+        if arrived:  # nothing runs on it yet: straight down
+            self._arrived[role].remove(rid)
+            self._shift_t0[rid] = self.c.cluster.now()
+            self.shifting[rid] = "down"
+            self.c.cluster.shift_down(rid)
+        else:
+            self.take_down([rid])
 
     def send_version(self, rid: str, have: int | None = None) -> None:
         """The one place a rollout replica is told the current policy version (it loads

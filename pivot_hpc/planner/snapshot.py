@@ -14,6 +14,7 @@ reward with their scheduler states, and the training state. Replica ids are
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -151,6 +152,19 @@ class Topology:
             training_tp=training_tp,
             elastic=extensions,
         )
+
+    def without_gpus(self, gpus: Iterable[int]) -> Topology:
+        """This topology with `gpus` out of every inference role and elastic extension (a
+        replica whose engine kept dying: coordinator/shifts.py); training's own GPUs stay."""
+        out = set(gpus)
+        roles = {
+            name: dataclasses.replace(
+                spec, slots={s: g for s, g in spec.slots.items() if not out & set(g)}
+            )
+            for name, spec in self.roles.items()
+        }
+        elastic = {s: g for s, g in self.elastic.items() if not out & set(g)}
+        return dataclasses.replace(self, roles=roles, elastic=elastic)
 
     def gpus_of(self, rid: str) -> tuple[int, ...]:
         role = role_of(rid)

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from mpi4py import MPI
 
 from pivot_hpc.coordinator.events import (
+    ReplicaFailed,
     SequenceFinished,
     ShiftDone,
     TrainingDone,
@@ -347,6 +348,14 @@ class LiveCluster:
                             else:
                                 self.role_of_rank.pop(r, None)
                     self._pending.append(ShiftDone(t, rid, kind, slowest))
+            case msg.EngineFailed(role, cause, sequences, kept, lost):
+                serving = rid if rid is not None and role_of(rid) == role else ""
+                if serving:
+                    self._lengths[rank] = {}
+                where = f"{role} engine of rank {rank}"
+                self._pending.append(
+                    ReplicaFailed(t, role, serving, where, cause, sequences, kept, lost)
+                )
             case msg.WeightsLoaded(version):
                 self._pending.append(WeightsUpdated(t, rid, version))
             case msg.Trained(step, metrics):

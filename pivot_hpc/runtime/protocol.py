@@ -212,6 +212,20 @@ class Stopped:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineFailed:
+    """The worker's engine process died while serving (runtime/engine_guard.py); the worker
+    lives on and answers aborts with the tokens it kept. `tokens_lost`: decoded after the
+    last refresh (an upper bound), to be generated again. `role`: the engine's role (an
+    idle role's engine may die too: nothing of it runs)."""
+
+    role: str
+    cause: str
+    sequences: int
+    tokens_kept: int
+    tokens_lost: int
+
+
+@dataclass(frozen=True, slots=True)
 class Failed:
     """The rank raised; `text` names it and holds its traceback (it aborts the world)."""
 
@@ -229,5 +243,6 @@ Event = (
     | Saved
     | Restored
     | Stopped
+    | EngineFailed
     | Failed
 )

@@ -28,6 +28,7 @@ from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.decode_steps import DecodeSteps
 from pivot_hpc.runtime.elastic import StepGroups, TrainingWorld, publish_optimizer, read_optimizer
+from pivot_hpc.runtime.engine_guard import GuardedEngine
 from pivot_hpc.runtime.protocol import CMD, EVT
 
 LENGTHS_EVERY_S = 0.5
@@ -53,6 +54,7 @@ class Worker:
         self.role: str | None = None
         self.leader = True  # False: a non-leading rank of a tp > 1 inference replica
         self._last_lengths = 0.0
+        self._last_health = 0.0  # engine processes checked (engine_guard.py)
         self._steps = DecodeSteps()  # for the monitor's A–D refit
         self._sending: list = []  # requests of events not yet received (see send)
         self.fault = os.environ.get("PIVOT_HPC_FAULT")  # tests: "<command>[@rank]" raises
@@ -109,6 +111,7 @@ class Worker:
                     MPI.Request.Waitall(self._sending)  # so every send completes
                     return cmd.code
                 self.handle(cmd)
+                self._report_failures()
                 busy = True
             engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
             if engine is not None and engine.has_unfinished():
@@ -122,15 +125,41 @@ class Worker:
                 now = time.monotonic()
                 if now - self._last_lengths > LENGTHS_EVERY_S:
                     self._last_lengths = now
+                    if isinstance(engine, GuardedEngine):
+                        engine.stream()  # the tokens a death would keep (engine_guard.py)
                     self.send(msg.Lengths(engine.seq_lengths(), self._steps.take()))
                 busy = True
             else:
                 self._steps.idle()
+            now = time.monotonic()
+            if now - self._last_health > LENGTHS_EVERY_S:
+                self._last_health = now
+                for e in self.engines.values():
+                    if isinstance(e, GuardedEngine):
+                        e.check()  # a process gone between calls (an idle role's too)
+            self._report_failures()
             if busy:
                 backoff = 1e-3
             else:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, IDLE_POLL_MAX_S)
+
+    def _report_failures(self) -> None:
+        """Engine processes found dead: tell the coordinator once each. It migrates a
+        serving replica's sequences with their kept tokens and restarts it; an idle role's
+        engine is dropped here and a fresh one starts at its next shift-up."""
+        for role, engine in list(self.engines.items()):
+            failure = getattr(engine, "failure", None)
+            if failure is None or engine.reported:
+                continue
+            engine.reported = True
+            self.send(
+                msg.EngineFailed(
+                    role, failure.cause, failure.sequences, failure.tokens_kept, failure.tokens_lost
+                )
+            )
+            if role != self.role or not self.leader:
+                self.engines.pop(role).close()
 
     @staticmethod
     def _decode_steps(engine) -> int:
@@ -212,25 +241,28 @@ class Worker:
             self._load_policy_to_train(version)
             phases["read_s"] = time.perf_counter() - t1
         elif leader:
-            if role in self.lazy_roles and role not in self.engines:
+            if role not in self.engines:  # lazily built, or restarted after a death
                 for other in [r for r in self.engines if r != role and r in self.lazy_roles]:
                     if getattr(self.cfg.engines, other).engine == "sglang":
                         self.engines.pop(other).close()  # one SGLang engine per process
                 if torch.cuda.is_initialized():  # blocks cached here count as used for
                     torch.cuda.empty_cache()  # SGLang, which sizes its pool from what is free
-                self.engines[role] = self._make_engine(role)
+                self.engines[role] = self._start_engine(role)
                 self.engines[role].release_memory(weights=True)
             engine = self.engines[role]
             engine.resume_memory()
             self._steps.reset()
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            model = "policy" if role == "rollout" else "genrm"
-            rank = [self.comm.Get_rank()]  # straight into the engine's memory (VRAM on GPU)
-            tensors, got = self.gps.read(model, rank, _tp1(), device=engine.weights_device)
-            if model == "policy" and got < version:
-                raise RuntimeError(f"rollout read policy v{got} from GPS, expected >= v{version}")
-            engine.load_weights(tensors, got)
+            if not getattr(engine, "dead", False):  # (a dead one is reported after this)
+                model = "policy" if role == "rollout" else "genrm"
+                rank = [self.comm.Get_rank()]  # straight into the engine's memory (VRAM on GPU)
+                tensors, got = self.gps.read(model, rank, _tp1(), device=engine.weights_device)
+                if model == "policy" and got < version:
+                    raise RuntimeError(
+                        f"rollout read policy v{got} from GPS, expected >= v{version}"
+                    )
+                engine.load_weights(tensors, got)
             phases["read_s"] = time.perf_counter() - t1
         self.role = role
         self.send(msg.Shifted("up", phases))
@@ -259,7 +291,11 @@ class Worker:
                 self.trainer.release_memory()
                 phases["discard_s"] = time.perf_counter() - t1
         elif self.role is not None and self.leader:
-            self.engines[self.role].release_memory(weights=True)
+            engine = self.engines[self.role]
+            if getattr(engine, "dead", False):  # the next shift-up starts a fresh process
+                self.engines.pop(self.role).close()
+            else:
+                engine.release_memory(weights=True)
             phases["discard_s"] = time.perf_counter() - t0
         self.role = None
         self.send(msg.Shifted("down", phases))
@@ -350,10 +386,22 @@ class Worker:
         self.send(msg.Restored(time.perf_counter() - t0))
 
     # ------------------------------------------------------------- builders
+    def _start_engine(self, role: str):
+        """A new engine at a shift-up; an engine process that dies while it starts is a
+        dead engine (reported, then shifted down and restarted, or excluded), not a dead
+        rank."""
+        from pivot_hpc.engines.child_engine import EngineProcessError
+
+        try:
+            return self._make_engine(role)
+        except EngineProcessError as exc:
+            return GuardedEngine.failed_start(exc)
+
     def _make_engine(self, role: str):
+        from pivot_hpc.engines.child_engine import ChildEngine
         from pivot_hpc.engines.factory import make_inference_engine
 
-        return make_inference_engine(
+        engine = make_inference_engine(
             self.cfg,
             role,
             self.dirs[role],
@@ -365,6 +413,8 @@ class Worker:
             slot=self.comm.Get_rank() % self.cfg.cluster.ranks_per_node - 1,
             reclaim_signals=stop.reinstall,
         )
+        # an engine process may die alone: its replica is then shifted down and restarted
+        return GuardedEngine(engine) if isinstance(engine, ChildEngine) else engine
 
     def _make_trainer(self) -> TrainEngine:
         import os

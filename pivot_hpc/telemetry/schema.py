@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 3  # 2: + `trained`, `checkpoints`, `evals`; 3: + steps' `made_*_tokens`
+# 2: + `trained`, `checkpoints`, `evals`; 3: + steps' `made_*_tokens`; 4: + `failures`
+SCHEMA_VERSION = 4
 
 # Fixed-length byte strings keep the datasets readable by plain h5py/numpy (no vlen types).
 ROLE = "S16"
@@ -135,9 +136,24 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
         ("problems", "i8", "", "validation problems"),
         ("seconds", "f8", "s", "wall time of the evaluation"),
     ],
+    "failures": [
+        ("t", "f8", "s", "time the coordinator heard of the death"),
+        ("replica", REPLICA, "", "inference replica whose engine process died"),
+        ("role", ROLE, "", "'rollout' or 'reward'"),
+        (
+            "action",
+            KIND,
+            "",
+            "'restart' (serving: shifted down, started again), 'replaced' (an idle role's engine), 'excluded'",
+        ),
+        ("sequences", "i8", "sequences", "unfinished sequences recovered with their tokens"),
+        ("tokens_kept", "i8", "tokens", "generated tokens they kept (as last streamed)"),
+        ("tokens_lost", "i8", "tokens", "decoded after the last refresh: generated again"),
+        ("cause", "S200", "", "the process's exit as the worker saw it"),
+    ],
 }
 # Datasets added after schema version 1: a file of an older version reads them as empty.
-ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2}
+ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2, "failures": 4}
 # Optional fields: a writer may leave them out and a file of an older version lacks them;
 # both read as this value.
 OPTIONAL: dict[str, dict[str, float]] = {

@@ -351,8 +351,25 @@ def summarise(run: Run) -> dict[str, Any]:
         "migration_events": len(run["migrations"]),
         "migration_sequences": int(run["migrations"]["sequences"].sum()),
         "migration_per_seq": mig,
+        **failure_counts(run["failures"]),
     }
     return _json_safe(out)
+
+
+def failure_counts(failures: np.ndarray) -> dict[str, Any]:
+    """Engine processes that died while serving, and what their replicas lost (the
+    sequences kept their streamed tokens; `tokens_regenerated` is an upper bound)."""
+    action = failures["action"] if len(failures) else np.array([], dtype="U16")
+    return {
+        "engine_failures": len(failures),
+        # started again: a serving replica at once, an idle role's engine at its next shift-up
+        "engine_restarts": int(((action == "restart") | (action == "replaced")).sum()),
+        "engines_excluded": sorted({str(r) for r in failures["replica"][action == "excluded"]})
+        if len(failures)
+        else [],
+        "sequences_recovered": int(failures["sequences"].sum()) if len(failures) else 0,
+        "tokens_regenerated": int(failures["tokens_lost"].sum()) if len(failures) else 0,
+    }
 
 
 def _json_safe(x: Any) -> Any:
@@ -401,4 +418,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"migration  {s['migration_events']} events, {s['migration_sequences']} sequences, "
         f"{_num(s['migration_per_seq']['total']['mean'], '{:.3f}')} s per sequence",
     ]
+    if s.get("engine_failures"):
+        excluded = ", ".join(s["engines_excluded"]) or "none"
+        lines.append(
+            f"failures   {s['engine_failures']} engine deaths, {s['engine_restarts']} restarted, "
+            f"excluded: {excluded}; {s['sequences_recovered']} sequences recovered, "
+            f"≤ {s['tokens_regenerated']} tokens generated again"
+        )
     return "\n".join(lines)

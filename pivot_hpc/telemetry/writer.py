@@ -177,6 +177,9 @@ class TelemetryWriter:
     def checkpoint(self, t: float, /, **fields: Any) -> None:
         self._append("checkpoints", t=t, **fields)
 
+    def failure(self, t: float, /, **fields: Any) -> None:
+        self._append("failures", t=t, **fields)
+
     def evaluation(self, t: float, /, **fields: Any) -> None:
         self._append("evals", t=t, **fields)
 
