@@ -1,12 +1,15 @@
-"""Multi-turn, tool-calling rollouts (issue 37), as standalone pieces not yet wired into
-the runtime, coordinator or scheduler (docs/agentic.md):
+"""Multi-turn, tool-calling rollouts (issue 37). Wired so far: the `tools` config section
+(checked before launch) and each node's sandbox service beside its host rank
+(runtime/host_tools.py); not yet the coordinator's turn loop or the scheduler
+(docs/agentic.md):
 
 - `trajectory`: token-in/token-out trajectories, the loss mask, limits, checkpoint data,
   the resume rule, and how observations become tokens (chat-template delta or wrapper);
 - `tools`: tool declarations (`schema`: their JSON-schema subset), the registry, reading
   a call from generated text, the observation text;
 - `sandbox`: one call in a confined, short-lived child; `server`: a node's pool of them;
+  `service`: the process that hosts a node's pool, started before MPI, and its wire;
 - `calculator`: the whitelisting arithmetic evaluator (also the calculator child's program);
 - `messages`: `ToolCall` / `ToolResult`, for runtime/protocol.py;
-- `config`: `ToolsConfig`.
+- `config`: `ToolsConfig`, the run config's `tools` section.
 """

@@ -1,4 +1,4 @@
-"""Config of multi-turn tool-calling rollouts (the `tools` section, once wired)."""
+"""Config of multi-turn tool-calling rollouts: the run config's `tools` section."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The two messages of a tool call between the coordinator and a node's host rank.
 
-Frozen plain-data dataclasses shaped like the ones in `runtime/protocol.py`, so that the
-runtime can carry them as they are (command `ToolCall` on CMD, event `ToolResult` on EVT)
-once it is wired; until then the sandbox server takes and returns them in-process.
+Frozen plain-data dataclasses shaped like the ones in `runtime/protocol.py`, which
+imports them: the runtime carries them as they are (command `ToolCall` on CMD to a node's
+host rank, event `ToolResult` on EVT back), and the node's sandbox service takes and
+returns them as JSON lines (service.py).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 In-process API, no listener: the host rank `submit`s the `ToolCall`s the coordinator sends
 it and, in its loop, `poll`s the finished `ToolResult`s to send back. At most
 `max_concurrent` children run at once (the rest queue), each through `sandbox.run_tool`.
-It spawns processes, which Open MPI advises against inside MPI ranks (UCX, libfabric): the
-wiring is to host it in a process started before MPI initialises, next to the host rank.
+It spawns processes, which Open MPI advises against inside MPI ranks (UCX, libfabric), so
+it lives in the node's sandbox service (service.py), a process the host rank's process
+starts before MPI initialises (runtime/host_tools.py).
 
 Failures of a call (a timeout, the tool refusing its arguments) are data: they go back as
 observations. A dead sandbox is infrastructure: a crashed child, or one that could not be

@@ -52,6 +52,11 @@ def run(args: argparse.Namespace) -> int:
             # pivot_hpc calls MPI from one thread per rank; across nodes without RDMA,
             # OpenMPI 4's fallback one-sided component refuses MPI_THREAD_MULTIPLE windows
             os.environ.setdefault("MPI4PY_RC_THREAD_LEVEL", "serialized")
+        # tools: the node's sandbox service, started before MPI initialises (no rank
+        # forks after MPI_Init); nothing when tools are disabled (runtime/host_tools.py)
+        from pivot_hpc.runtime.host_tools import start_before_mpi
+
+        start_before_mpi(cfg)
         from pivot_hpc.cli.local_world import report_status
         from pivot_hpc.runtime.main import run_in_world
 

@@ -138,6 +138,9 @@ class PivotJob(Checkpointable):
             )
         cfg = self.make_config()
         run_dirs.prepare(run_dir, cfg.checkpoint.private_run_dir)
+        from pivot_hpc.runtime.host_tools import start_before_mpi
+
+        start_before_mpi(cfg)  # tools: the node's sandbox service, before MPI initialises
         code = run_in_world(cfg, run_dir)
         if code == 0:
             return {

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.checkpoint.config import CheckpointConfig
 from pivot_hpc.config.loader import ConfigError, fail
 from pivot_hpc.coordinator.config import DeploymentConfig, LoopConfig
@@ -212,6 +213,8 @@ class Config:
     gps: GPSConfig = field(default_factory=GPSConfig)  # Global Parameter Storage (§5.1)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # docs/design.md §9
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow
+    # multi-turn rollouts with tool calls in a per-node sandbox (docs/agentic.md)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def validate(self, path: str) -> None:
         # the parts the cross-field rules below divide by, checked first (children are

@@ -1,7 +1,8 @@
 """Every rank of the MPI world runs `run_in_world`: layout check, models, GPS, then its part.
 
 world rank 0   coordinator (+ node 0's host): the Coordinator over a LiveCluster
-other host     GPS shard only (passive: readers pull); waits for the end
+other host     GPS shard (passive: readers pull); runs the coordinator's tool calls in its
+               node's sandbox service (runtime/host_tools.py) until the end
 workers        serve commands, shift roles, run engines
 
 Any rank that raises brings the whole world down (COMM_WORLD.Abort) with its traceback
@@ -17,7 +18,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -26,7 +26,6 @@ from pivot_hpc.config import Config, default_dict, to_dict
 from pivot_hpc.errors import PivotError
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.library_noise import route_to_log
-from pivot_hpc.runtime.protocol import CMD
 from pivot_hpc.runtime.world import check_launch, layout
 
 
@@ -130,8 +129,10 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
     try:
         if lay.is_coordinator:
             code = _coordinate(comm, lay, cfg, run_dir, dirs, gps, resume)
-        elif lay.is_host:
-            code = _wait_for_stop(comm)
+        elif lay.is_host:  # its GPS shard is passive; it runs tool calls when enabled
+            from pivot_hpc.runtime.host_tools import serve_host
+
+            code = serve_host(comm, cfg)
         else:
             from pivot_hpc.runtime.elastic import TrainingWorld
             from pivot_hpc.runtime.worker import Worker
@@ -150,13 +151,6 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         report_error(comm)
     gps.close()
     return code
-
-
-def _wait_for_stop(comm) -> int:
-
-    while not comm.Iprobe(source=0, tag=CMD):
-        time.sleep(0.05)
-    return comm.recv(source=0, tag=CMD).code  # the only command a host rank gets: Stop
 
 
 def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:

@@ -3,10 +3,11 @@ dataclass per message, the only place the protocol is written down.
 
 They travel as MPI messages between ranks of one job (pickled by mpi4py, never read from
 disk), on two tags: commands on CMD (coordinator → worker or host rank), events on EVT
-(worker → coordinator). A worker handles commands in order and replies in order, so an
-`Aborted` reply follows any `Finished` report the worker sent before it — which is how
-the coordinator tells an abort that came too late (the sequence is in `Finished`, and
-`Aborted` says None for it).
+(worker or host rank → coordinator). A worker handles commands in order and replies in
+order, so an `Aborted` reply follows any `Finished` report the worker sent before it —
+which is how the coordinator tells an abort that came too late (the sequence is in
+`Finished`, and `Aborted` says None for it). The tool-call pair `ToolCall`/`ToolResult`
+is defined beside the sandbox that runs it (agentic/messages.py) and imported here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+# A tool call: coordinator → a node's host rank (CMD), its outcome: host rank → coordinator
+# (EVT). Defined with the sandbox that runs them (agentic/messages.py), carried as they are.
+from pivot_hpc.agentic.messages import ToolCall, ToolResult
 
 if TYPE_CHECKING:
     from pivot_hpc.engines.base import SamplingParams, SeqResult, TrainBatch
@@ -131,6 +136,7 @@ Command = (
     | Save
     | Restore
     | Stop
+    | ToolCall  # to a host rank (runtime/host_tools.py)
 )
 
 
@@ -245,4 +251,5 @@ Event = (
     | Stopped
     | EngineFailed
     | Failed
+    | ToolResult  # from a host rank, one per ToolCall
 )

@@ -75,13 +75,39 @@ def check_launch(cfg: Config, size: int) -> None:
 def check_before_launch(cfg: Config) -> None:
     """Everything a launcher refuses before it starts a world, in one place (`pivot-hpc
     run`, `pivot-hpc submit`, slurm/pivot.sbatch): the memory plan when the config names
-    its GPU, what only a live run cannot do, and the experiment trackers asked for."""
+    its GPU, what only a live run cannot do, the experiment trackers asked for, and tools."""
     from pivot_hpc.planning import check_memory
     from pivot_hpc.tracking import check_available
 
     check_memory(cfg)
     check_live_config(cfg)
     check_available(cfg.tracking)
+    check_tools(cfg)
+
+
+# What the live runtime lacks before `tools.enabled` can run (docs/agentic.md); the
+# sandbox service on each node's host rank is wired (runtime/host_tools.py). Empty once
+# the turn loop lands: then only the preflight remains.
+TOOLS_MISSING = "the coordinator's multi-turn loop (turns, parked trajectories)"
+
+
+def check_tools(cfg: Config) -> None:
+    """`tools.enabled`: the sandbox must run the declared tools on this machine (one call
+    each, `preflight`), and the live runtime must be able to run multi-turn rollouts."""
+    if not cfg.tools.enabled:
+        return
+    from pivot_hpc.agentic.server import preflight
+    from pivot_hpc.agentic.tools import build_registry
+
+    why = preflight(build_registry(cfg.tools.tools), cfg.tools.sandbox_limits())
+    if why is not None:
+        raise LayoutError(why)
+    if TOOLS_MISSING:
+        raise LayoutError(
+            "tools.enabled=true: the live runtime starts each node's tool sandbox but does "
+            f"not have {TOOLS_MISSING} yet (issue 37; docs/agentic.md says what is wired); "
+            "set tools.enabled=false"
+        )
 
 
 def check_live_config(cfg: Config) -> None:

@@ -5,13 +5,15 @@ Definitions (also in analysis/README.md):
   ÷ (last step end − first step start). Training tokens are not added: they are the same
   tokens the rollout generated, trained on. A step logged twice (redone after a resume from
   an older checkpoint) counts once, with its last row.
-- steady-state throughput: the tokens the engines made after the pipeline has filled ÷
-  the time they were made in: from the end of step `staleness` (all but the first
-  staleness+1 steps are still to come) to the last step's end, the difference of the steps'
-  cumulative `made_*_tokens` over that window. Only work done inside the window counts:
-  crediting each step's tokens to the window its step ends in (older builds; still the
-  fallback for rows without made tokens) counted tokens made during the fill and could
-  pass the work-conserving bound. None with fewer than staleness+2 completed steps.
+- steady-state throughput: the tokens the engines made while the pipeline runs full ÷
+  the time they were made in: from the end of step `staleness` (the fill is over) to the
+  end of step N − staleness − 2 (the last batch is released then: after it the pipeline
+  drains), the difference of the steps' cumulative `made_*_tokens` over that window
+  (`full_pipeline_window`). Only work done inside the window counts: crediting each
+  step's tokens to the window its step ends in (older builds; still the fallback for rows
+  without made tokens) counted tokens made during the fill and could pass the
+  work-conserving bound, and a window running to the last step's end measured the drain.
+  None with fewer than 2·staleness + 3 completed steps (7 at the default staleness 2).
 - processed tokens (`processed_tokens_per_s`, `…_steady`, `…_bound`): the paper's §8.1
   "total tokens processed": per step the rollout's prompts and responses plus the GenRM's
   whole input (prompt + response) and its judgements, 2·train_tokens + reward_tokens (exact
@@ -95,16 +97,23 @@ def step_table(rows: list[tuple]) -> np.ndarray:
     return np.array([tuple(r) + pad[len(r) :] for r in rows], dtype=STEP_FIELDS)
 
 
+def full_pipeline_window(n_steps: int, staleness: int) -> tuple[int, int] | None:
+    """Positions (in step order) of the steps whose ends bound the time the pipeline runs
+    full: from the end of step `staleness` (the fill is over) to the end of step
+    N − staleness − 2 (the last batch is released then; after it the pipeline drains).
+    None with fewer than 2·staleness + 3 completed steps."""
+    first, last = staleness, n_steps - staleness - 2
+    return (first, last) if last > first else None
+
+
 def steady_state(steps: np.ndarray, staleness: int) -> float | None:
-    """Tokens/s made after the pipeline has filled (see the module docstring)."""
-    if len(steps) < staleness + 2:
+    """Tokens/s made while the pipeline runs full (see the module docstring)."""
+    window = full_pipeline_window(len(steps), staleness)
+    if window is None:
         return None
     by_step = steps[np.argsort(steps["step"], kind="stable")]
-    first = by_step[staleness]
-    t0 = float(first["end"])
-    rest = by_step[staleness + 1 :]
-    last = rest[np.argmax(rest["end"])]
-    span = float(last["end"]) - t0
+    first, last = by_step[window[0]], by_step[window[1]]
+    span = float(last["end"]) - float(first["end"])
     if span <= 0:
         return None
     made = float(
@@ -115,8 +124,8 @@ def steady_state(steps: np.ndarray, staleness: int) -> float | None:
     )
     if math.isfinite(made) and made >= 0:  # counters restart with a resumed process
         return made / span
-    tokens = float(rest["rollout_tokens"].sum() + rest["reward_tokens"].sum())
-    return tokens / span
+    inside = by_step[window[0] + 1 : window[1] + 1]  # older rows: the steps ended inside
+    return float(inside["rollout_tokens"].sum() + inside["reward_tokens"].sum()) / span
 
 
 def processed_tokens(steps: np.ndarray) -> float:
@@ -141,7 +150,8 @@ def processed_rates(
     """The processed-token twins of the generated-token rates (module docstring)."""
     by_step = steps[np.argsort(steps["step"], kind="stable")] if len(steps) else steps
     whole = processed_ratio(by_step) if len(by_step) else None
-    after_fill = processed_ratio(by_step[staleness + 1 :]) if len(by_step) > staleness + 1 else None
+    window = full_pipeline_window(len(by_step), staleness)
+    after_fill = processed_ratio(by_step[window[0] + 1 : window[1] + 1]) if window else None
     return {
         "processed_tokens_per_s": tokens_per_s * whole if whole else 0.0,
         "processed_tokens_per_s_steady": steady * after_fill
@@ -182,9 +192,10 @@ def steady_work_share(
     window its step ends in, some of them made during the fill, and a window's tokens alone
     miss the training done in it; this counts all work where it happened. None with fewer
     than 2·staleness + 3 completed steps, without the bound's rates or made tokens."""
-    closed = len(steps) - staleness - 2
-    if closed <= staleness or not gpus:
+    window = full_pipeline_window(len(steps), staleness)
+    if window is None or not gpus:
         return None
+    staleness, closed = window
     by_step = steps[np.argsort(steps["step"], kind="stable")]
     first, last = by_step[staleness], by_step[closed]
     made = [float(last[k] - first[k]) for k in ("made_rollout_tokens", "made_reward_tokens")]

@@ -21,19 +21,23 @@ ROWS = [
     (2, 10.0, 200.0, 1000, 500, 1400, 4100.0, 1900.0),
     (4, 60.0, 300.0, 3000, 1000, 3500, 8000.0, 3500.0),  # logged out of order
     (3, 50.0, 260.0, 2000, 1000, 2400, 6000.0, 2500.0),
+    (5, 70.0, 330.0, 1000, 500, 1400, 8600.0, 3800.0),
+    (6, 80.0, 350.0, 600, 300, 800, 8600.0, 3800.0),  # the drain: nothing new made
 ]
 
 
-def test_steady_state_counts_the_tokens_made_inside_its_window() -> None:
+def test_steady_state_counts_the_tokens_made_while_the_pipeline_runs_full() -> None:
     steps = step_table(ROWS)
-    # window: end of step 2 (t=200) to the last end (t=300); made 11500 - 6000 in it,
-    # not the 7000 tokens of steps 3-4 (part of them was made during the fill)
-    assert steady_state(steps, 2) == pytest.approx((11500 - 6000) / 100)
-    assert steady_state(steps, 0) == pytest.approx((11500 - 3400) / 200)
-    assert steady_state(steps[:3], 2) is None
-    # rows without made tokens (older telemetry) fall back to the steps' tokens
+    # staleness 2: from the end of step 2 (t=200, the fill is over) to the end of step
+    # 7 - 2 - 2 = 3 (t=260: the last batch is released, the drain follows); made
+    # 8500 - 6000 in it, not the steps' tokens (part made during the fill)
+    assert steady_state(steps, 2) == pytest.approx((8500 - 6000) / 60)
+    # staleness 0: end of step 0 to end of step 5
+    assert steady_state(steps, 0) == pytest.approx((12400 - 3400) / 230)
+    assert steady_state(steps[:6], 2) is None  # 2·2 + 3 = 7 steps needed
+    # rows without made tokens (older telemetry) fall back to the steps ended inside
     old = step_table([r[:6] for r in ROWS])
-    assert steady_state(old, 2) == pytest.approx((3000 + 1000 + 2000 + 1000) / 100)
+    assert steady_state(old, 2) == pytest.approx((2000 + 1000) / 60)
 
 
 def test_processed_tokens_count_prompts_and_genrm_inputs() -> None:
@@ -53,7 +57,8 @@ def test_group4_pivot_plus_elastic_steady_stays_under_the_bound() -> None:
     a steady state of 13135 tokens/s against a work-conserving bound of 10362."""
     from pivot_hpc.bench.paper_bench import _one, _overrides, group_config
 
-    over = _overrides("pivot", "pivot+", True, ["loop.steps=6", "sim.seed=7"])
+    # (7 steps: the shortest run with a full-pipeline window at staleness 2)
+    over = _overrides("pivot", "pivot+", True, ["loop.steps=7", "sim.seed=7"])
     r = _one((str(group_config(4)), over, 1.0))  # the paper bench's load and run
     assert r["tokens_per_s_steady"] <= r["tokens_per_s_bound"], r
     assert r["processed_tokens_per_s_steady"] <= r["processed_tokens_per_s_bound"], r
