@@ -241,13 +241,6 @@ class Config:
             _check_gpu_ids("training.gpus", tr.gpus, n)
         elif tr.num_gpus > n:
             fail("training.num_gpus", tr.num_gpus, f"the cluster has only {n} GPUs")
-        from pivot_hpc.sim.settings import MODEL_OF_ROLE, model_problem
-
-        for role, key in MODEL_OF_ROLE.items():
-            name = getattr(self.models, f"{key}_catalog")
-            problem = model_problem(self, role) if name is not None else None
-            if problem is not None:
-                raise ConfigError(f"config key 'models.{key}_catalog' = {name!r}: {problem}")
 
     def without_files(self) -> Config:
         """The same deployment with nothing that must exist on this machine: each model

@@ -14,7 +14,6 @@ worker's torch threads, where the model lives); the rest of `engines.<role>` is 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from pivot_hpc.engines import job_signals
 from pivot_hpc.engines.base import InferenceEngine
 from pivot_hpc.engines.config import InferenceEngineConfig
 from pivot_hpc.errors import PivotError
+from pivot_hpc.models.limits import model_limits
 
 
 def make_inference_engine(
@@ -103,23 +103,6 @@ def resolve_device(device: str, config_key: str) -> str:
             "(CUDA_VISIBLE_DEVICES, driver); use 'auto' or 'cpu'"
         )
     return device
-
-
-def model_limits(model_dir: str | Path) -> tuple[int, list[int]]:
-    """(max_position_embeddings, eos token ids) from a Hugging Face model directory."""
-    d = Path(model_dir)
-    config = json.loads((d / "config.json").read_text())
-    eos: list[int] = []
-    for src in (config, _read_json(d / "generation_config.json")):
-        value = src.get("eos_token_id")
-        for t in value if isinstance(value, list) else [value]:
-            if t is not None and int(t) not in eos:
-                eos.append(int(t))
-    return int(config["max_position_embeddings"]), eos
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def sglang_server_args(

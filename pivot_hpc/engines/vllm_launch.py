@@ -170,7 +170,7 @@ def make_vllm_engine(
             f"worker's one device (runtime/world.py); use {role}.tp=1, or {key}.engine=sglang"
         )
     check_installed(f"{key}.engine")
-    from pivot_hpc.engines.factory import model_limits
+    from pivot_hpc.models.limits import model_limits
 
     d = Path(model_dir)
     facts = model_facts(d, f"{key}.engine")  # before vLLM's import: a bad directory fails fast

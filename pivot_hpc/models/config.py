@@ -113,16 +113,14 @@ class ModelsConfig:
     genrm_catalog: str | None = None  # (the GenRM's catalog model)
 
     def catalog(self, role: str) -> str | None:
-        """The catalog name of `role`'s model ("policy" or "genrm"): `<role>_catalog`,
-        else what its directory's name denotes (the directory name itself when the catalog
-        has no such model), else None (no model named)."""
+        """The model name `role` ("policy" or "genrm") is costed as: `<role>_catalog`, else
+        its directory's name (the simulator's catalog maps variants such as
+        Qwen2.5-7B-Instruct to its own names: sim/catalog.catalog_key), else None."""
         name = getattr(self, f"{role}_catalog")
         if name is not None:
             return name
         d = getattr(self, f"{role}_path")
-        if d is None:
-            return None
-        return catalog_key(Path(d).name) or Path(d).name
+        return None if d is None else Path(d).name
 
     def validate(self, path: str) -> None:
         for name in ("policy_path", "genrm_path"):
@@ -134,18 +132,6 @@ class ModelsConfig:
                     "not a Hugging Face model directory (no config.json): give the local "
                     "directory of the model's weights, config and tokenizer",
                 )
-
-
-def catalog_key(dirname: str) -> str | None:
-    """The catalog model a directory name denotes: the name itself or a variant of it
-    ("Qwen2.5-7B-Instruct" → qwen2.5-7b, "GLM-Z1-9B-0414" → glm-z1-9b)."""
-    from pivot_hpc.sim.catalog import MODELS
-
-    name = dirname.lower()
-    for key in sorted(MODELS, key=len, reverse=True):
-        if name == key or name.startswith(key + "-"):
-            return key
-    return None
 
 
 def cache_root(cache_dir: Path | str | None = None) -> Path:

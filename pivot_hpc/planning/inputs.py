@@ -24,8 +24,8 @@ from pathlib import Path
 
 from pivot_hpc.config.schema import Config
 from pivot_hpc.errors import PivotError
-from pivot_hpc.models.config import ModelConfig, catalog_key
-from pivot_hpc.sim.catalog import HARDWARE, MODELS, ModelSpec
+from pivot_hpc.models.config import ModelConfig
+from pivot_hpc.sim.catalog import HARDWARE, MODELS, ModelSpec, catalog_key
 
 GIB = 1 << 30
 # Catalog sizes ("96 GB") are binary (HBM stacks are powers of two), and the driver keeps

@@ -568,3 +568,13 @@ def training_costs(
         extension_down_s={"discard_s": s.train_stop_s.value},
         publish_s=write,
     )
+
+
+def catalog_key(dirname: str) -> str | None:
+    """The catalog model a directory name denotes: the name itself or a variant of it
+    ("Qwen2.5-7B-Instruct" → qwen2.5-7b, "GLM-Z1-9B-0414" → glm-z1-9b)."""
+    name = dirname.lower()
+    for key in sorted(MODELS, key=len, reverse=True):
+        if name == key or name.startswith(key + "-"):
+            return key
+    return None

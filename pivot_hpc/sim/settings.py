@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pivot_hpc.errors import ConfigError
-from pivot_hpc.sim.catalog import MODELS, TrainingTerms
+from pivot_hpc.sim.catalog import MODELS, TrainingTerms, catalog_key
 from pivot_hpc.sim.config import Workload
 
 if TYPE_CHECKING:
@@ -46,10 +46,17 @@ class SimSettings:
     seed: int  # sim.seed
 
 
+def catalog_name(cfg: Config, key: str) -> str | None:
+    """The catalog model `models.<key>_catalog` or `<key>_path` names (a directory named
+    after a variant of a catalog model maps to it), None when neither is set."""
+    raw = cfg.models.catalog(key)
+    return None if raw is None else catalog_key(raw) or raw
+
+
 def model_problem(cfg: Config, role: str) -> str | None:
     """Why the simulator cannot cost `role`'s model (a name outside the catalog without a
     profile that describes it), or None."""
-    name = cfg.models.catalog(MODEL_OF_ROLE[role])
+    name = catalog_name(cfg, MODEL_OF_ROLE[role])
     if name is None or name in MODELS or getattr(cfg.engines, role).throughput_profile:
         return None
     return (
@@ -81,7 +88,7 @@ def sim_settings(cfg: Config) -> SimSettings:
     return SimSettings(
         hardware=cfg.cluster.gpu or DEFAULT_GPU,
         models={
-            role: cfg.models.catalog(key) or DEFAULT_MODELS[role]
+            role: catalog_name(cfg, key) or DEFAULT_MODELS[role]
             for role, key in MODEL_OF_ROLE.items()
         },
         profiles={r: getattr(cfg.engines, r).throughput_profile for r in MODEL_OF_ROLE},

@@ -235,8 +235,10 @@ def test_a_model_outside_the_catalog_without_profile_is_one_clear_error(tmp_path
     from pivot_hpc.config.loader import ConfigError
     from pivot_hpc.sim.catalog import CatalogError
 
+    # (the simulator's reading of the config says so, before anything runs; the live
+    # runtime reads the model directory instead)
     with pytest.raises(ConfigError, match="models.policy_catalog.*pivot-hpc profile"):
-        load_config(None, [*SMALL, "models.policy_catalog=my-8b"])
+        build(load_config(None, [*SMALL, "models.policy_catalog=my-8b"]))
     prof = tmp_path / "p.yaml"
     prof.write_text("throughput: {A: 2.0e-7, B: 8.0e-3, C: 3.0e-4, D: 1.0e-3}\n")
     with pytest.raises(CatalogError, match="needs a `model:` section"):

@@ -155,8 +155,11 @@ def test_a_missing_model_directory_is_named(tmp_path: Path) -> None:
 
 def test_a_directory_outside_the_catalog_is_named_for_the_simulator(tmp_path: Path) -> None:
     # live runs need no catalog name; the simulator says which key gives it one
+    from pivot_hpc.sim.settings import sim_settings
+
+    cfg = load_config(CONFIGS[0], ["models.policy_path=/models/Llama-3-8B"], files=False)
     with pytest.raises(ConfigError, match="models.policy_catalog.*Llama-3-8B"):
-        load_config(CONFIGS[0], ["models.policy_path=/models/Llama-3-8B"], files=False)
+        sim_settings(cfg)
     cfg = load_config(
         CONFIGS[0],
         ["models.policy_path=/models/Llama-3-8B", "models.policy_catalog=qwen2.5-1.5b"],
