@@ -29,6 +29,7 @@ import atexit
 import dataclasses
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -138,13 +139,19 @@ class HostToolService:
             self._answers.append(self._unavailable(call.call_id))
             return
         self._pending.add(call.call_id)
-        try:
-            self._sock.setblocking(True)  # a call goes out whole
-            self._sock.sendall(encode(call))
-        except OSError as exc:
-            self._die(f"its socket failed ({exc})")
-        finally:
-            self._sock.setblocking(False)
+        data = memoryview(encode(call))
+        while data and self._dead is None:
+            try:
+                data = data[self._sock.send(data) :]
+            except BlockingIOError:
+                # its buffer is full: maybe it waits for us to read its results, so read
+                # them (kept for the next poll) rather than block both ends
+                self._answers.extend(self._read())
+                select.select([], [self._sock], [], 0.01)
+            except OSError as exc:
+                self._die(f"its socket failed ({exc})")
+        if self._dead is not None:  # answer it (and whatever else it owed) now
+            self._answers.extend(self._read())
 
     def poll(self) -> list[ToolResult]:
         """The results that arrived since the last poll (non-blocking)."""
