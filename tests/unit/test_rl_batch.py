@@ -32,8 +32,6 @@ def test_advantages_are_relative_to_each_prompts_group() -> None:
 
 
 def test_the_truncation_mask_follows_the_config() -> None:
-    batch = assemble(
-        [traj(0, 1.0, truncated=True), traj(0, 0.0)], GRPOConfig(mask_truncated=True)
-    )
+    batch = assemble([traj(0, 1.0, truncated=True), traj(0, 0.0)], GRPOConfig(mask_truncated=True))
     assert batch.truncated == [True, False]
     assert batch.advantages[0] > 0 > batch.advantages[1]
