@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from pivot_hpc.config import Config, from_dict, validate_tree
-from pivot_hpc.config.loader import apply_overrides, load_yaml
+from pivot_hpc.config.loader import apply_overrides, load_yaml, migrate_moved
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,7 @@ def load_for_plan(path: str, overrides: list[str]) -> tuple[Config, dict]:
     """The config with every rule checked except that its files exist (model directories,
     datasets): a plan is made anywhere. Also returns the raw data (after overrides)."""
     data = load_yaml(path)
+    migrate_moved(data, Config)
     apply_overrides(data, overrides, root=Config)
     cfg = from_dict(Config, data)
     probe = dataclasses.replace(

@@ -9,6 +9,7 @@ Perfetto UI can be served locally) or chrome://tracing.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -60,11 +61,13 @@ def _saved_config(run_dir: Path, r: Run) -> Config:
     """The run's config from its telemetry, refused in one line if it does not load or
     names more GPUs than a trace can show (checked before anything is sized by it)."""
     from pivot_hpc.config import Config, from_dict, validate_tree
-    from pivot_hpc.config.loader import ConfigError
+    from pivot_hpc.config.loader import ConfigError, migrate_moved
     from pivot_hpc.telemetry.errors import printable
 
     try:
-        cfg = from_dict(Config, r.config)
+        saved = copy.deepcopy(r.config)
+        migrate_moved(saved, Config)  # a run from before keys moved (issue 34)
+        cfg = from_dict(Config, saved)
         # (from_dict has checked both are integers)
         if cfg.cluster.nodes * cfg.cluster.gpus_per_node > MAX_TRACE_GPUS:
             raise ConfigError(

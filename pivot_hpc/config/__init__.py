@@ -9,6 +9,7 @@ from pivot_hpc.config.loader import (
     apply_overrides,
     from_dict,
     load_yaml,
+    migrate_moved,
     to_dict,
     validate_tree,
 )
@@ -25,6 +26,7 @@ def load_config(
     `files=False`: the config as the simulator reads it, `Config.without_files` (model
     directories and datasets need not exist here)."""
     data = load_yaml(path) if path is not None else {}
+    migrate_moved(data, Config)  # deprecated keys read at their new ones (overrides win)
     apply_overrides(data, overrides, root=Config)
     cfg = from_dict(Config, data)
     if not files:

@@ -227,8 +227,6 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         )
     table = _field_table(cls)
     unknown = sorted(set(data) - set(table), key=str)  # YAML keys may be ints too
-    for key in unknown:
-        _refuse_moved(cls, key, _join(path, str(key)), "")
     if unknown:
         where = f"section '{path}'" if path else "the top level"
         valid = ", ".join(sorted(table))
@@ -244,15 +242,72 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     return cls(**kwargs)
 
 
-def _refuse_moved(cls: type, key: Any, here: str, prefix: str) -> None:
-    """A key that moved to another section (a dataclass's MOVED_KEYS: old name → where it
-    lives now) fails with one line naming the new key, not with the list of valid ones."""
-    moved = getattr(cls, "MOVED_KEYS", {}).get(key)
-    if moved is not None:
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """A config key that moved to another section (a section dataclass lists them in its
+    MOVED_KEYS: old name → Moved): its value is read at the new key(s), `convert` maps it
+    there, and one line tells the user so (a deprecated alias, issue 34)."""
+
+    to: tuple[str, ...]  # dotted keys from the top level
+    convert: Any = None  # value → the new key's value; None: the same value
+    note: str = ""  # how the value maps, when not the same
+
+
+def _moved(cls: type | None, key: Any) -> Moved | None:
+    return getattr(cls, "MOVED_KEYS", {}).get(key) if cls is not None else None
+
+
+def _deprecated(here: str, moved: Moved, value: Any) -> None:
+    import sys
+
+    what = " and ".join(moved.to)
+    print(
+        f"pivot-hpc: config key '{here}' is deprecated: read as {what}"
+        f"{f' ({moved.note})' if moved.note else ''}; set that instead (one config describes "
+        "a deployment for pivot-hpc run, simulate and plan alike)",
+        file=sys.stderr,
+    )
+
+
+def _set_dotted(data: dict, dotted: str, value: Any, here: str, *, keep: bool) -> None:
+    node = data
+    parts = dotted.split(".")
+    for key in parts[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{here}' moved to '{dotted}', but '{key}' is a value")
+        node = child
+    last = parts[-1]
+    if keep and last in node and node[last] != value:
         raise ConfigError(
-            f"{prefix}config key '{here}' moved: set {moved} instead (one config describes a "
-            "deployment for pivot-hpc run, simulate and plan alike)"
+            f"config keys '{here}' ({short_repr(value)}) and '{dotted}' "
+            f"({short_repr(node[last])}) say different things; keep only '{dotted}'"
         )
+    node[last] = value
+
+
+def migrate_moved(data: Any, root: type, path: str = "", top: dict | None = None) -> None:
+    """Read every moved key of raw config `data` (a file, a saved config) at its new key,
+    with one line each; a new key set to something else as well is an error."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(root):
+        return
+    top = data if top is None else top
+    table = _field_table(root)
+    for key in list(data):
+        here = _join(path, str(key))
+        moved = None if key in table else _moved(root, key)
+        if moved is not None:
+            value = data.pop(key)
+            new = moved.convert(value) if moved.convert else value
+            _deprecated(here, moved, value)
+            for target in moved.to:
+                _set_dotted(top, target, new, here, keep=True)
+        elif key in table:
+            tp = table[key][1]
+            args = [a for a in get_args(tp) if a is not type(None)]
+            sub = tp if dataclasses.is_dataclass(tp) else (args[0] if len(args) == 1 else None)
+            if sub is not None and dataclasses.is_dataclass(sub):
+                migrate_moved(data[key], sub, here, top)
 
 
 def to_dict(obj: Any) -> Any:
@@ -319,8 +374,14 @@ def apply_overrides(data: dict, overrides: Iterable[str], root: type | None = No
             here = ".".join(parts[: depth + 1])
             if cls is not None and dataclasses.is_dataclass(cls):
                 table = _field_table(cls)
+                moved = _moved(cls, key) if key not in table else None
+                if moved is not None and depth == len(parts) - 1:  # a deprecated alias
+                    _deprecated(here, moved, value)
+                    for target in moved.to:
+                        new = moved.convert(value) if moved.convert else value
+                        _set_dotted(data, target, new, here, keep=False)
+                    break
                 if key not in table:
-                    _refuse_moved(cls, key, here, f"override {short_repr(text)}: ")
                     raise ConfigError(
                         f"override {short_repr(text)}: unknown key '{here}'; valid keys at this level: "
                         f"{', '.join(sorted(table))}"

@@ -107,33 +107,70 @@ def test_simulator_reading(path: Path) -> None:
     assert meta["hardware"] == "H20"
 
 
-OLD_KEYS = {
-    **{f"sim.{k}": v for k, v in SimConfig.MOVED_KEYS.items()},
-    **{f"sim.workload.{k}": v for k, v in WorkloadConfig.MOVED_KEYS.items()},
-}
-OLD_VALUES = {"hardware": "h20", "policy_model": "qwen2.5-7b", "reward_model": "glm-z1-9b"}
+# (old key, a value, the new key, what it reads as there)
+OLD_KEYS = [
+    ("sim.hardware", "h100", "cluster.gpu", "h100"),
+    ("sim.policy_model", "qwen2.5-7b", "models.policy_catalog", "qwen2.5-7b"),
+    ("sim.reward_model", "glm-z1-9b", "models.genrm_catalog", "glm-z1-9b"),
+    ("sim.training_tp", 1, "rl.trainer.tp", 1),
+    ("sim.recompute_old_logprobs", True, "rl.grpo.recompute_old_logprobs", True),
+    ("sim.activation_recompute", True, "rl.trainer.recompute", "full"),
+    ("sim.max_running_requests", 7, "engines.reward.max_batch", 7),
+    ("sim.workload.response_cap", 50, "rl.max_response_tokens", 50),
+    ("sim.workload.judgement_cap", 60, "rl.reward.genrm_max_tokens", 60),
+]
 
 
-@pytest.mark.parametrize("key", sorted(OLD_KEYS))
-def test_an_old_sim_key_names_its_new_key_in_one_line(key: str, tmp_path: Path) -> None:
-    leaf = key.split(".")[-1]
-    value = OLD_VALUES.get(leaf, 1)
-    new = OLD_KEYS[key].split(" ")[0]
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_every_moved_key_is_listed() -> None:
+    moved = {f"sim.{k}" for k in SimConfig.MOVED_KEYS} | {
+        f"sim.workload.{k}" for k in WorkloadConfig.MOVED_KEYS
+    }
+    profiles = {"sim.rollout_profile", "sim.reward_profile"}  # (need a file: below)
+    assert moved - profiles == {k for k, *_ in OLD_KEYS}
+
+
+@pytest.mark.parametrize("key,value,new,reads", OLD_KEYS, ids=[k for k, *_ in OLD_KEYS])
+def test_an_old_sim_key_is_a_deprecated_alias_of_its_new_key(
+    key: str, value, new: str, reads, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # as an override ...
-    with pytest.raises(ConfigError) as info:
-        load_config(None, [f"{key}={value}"])
-    msg = str(info.value)
-    assert "\n" not in msg and f"'{key}' moved: set {new}" in msg
-    # ... and in a file
+    assert _get(load_config(None, [f"{key}={value}"]), new) == reads
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"'{key}' is deprecated: read as {new.split('.')[0]}" in err[0]
+    # ... and in a file, also in a run directory's saved config
     *parents, last = key.split(".")
     text = "".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(parents))
     f = tmp_path / "old.yaml"
-    f.write_text(text + f"{'  ' * len(parents)}{last}: {value}\n")
+    f.write_text(text + f"{'  ' * len(parents)}{last}: {str(value).lower()}\n")
+    assert _get(load_config(f), new) == reads
+    assert "deprecated" in capsys.readouterr().err
+
+
+def test_an_old_profile_key_reads_as_the_engine_profile(tmp_path: Path) -> None:
+    prof = tmp_path / "p.yaml"
+    prof.write_text("throughput: {A: 2.0e-7, B: 8.0e-3, C: 3.0e-4, D: 1.0e-3}\n")
+    cfg = load_config(None, [f"sim.rollout_profile={prof}"])
+    assert cfg.engines.rollout.throughput_profile == prof
+
+
+def test_an_old_key_and_its_new_key_that_disagree_is_one_line(tmp_path: Path) -> None:
+    f = tmp_path / "both.yaml"
+    f.write_text("cluster: {gpu: h20}\nsim: {hardware: h100}\n")
     with pytest.raises(ConfigError) as info:
         load_config(f)
     msg = str(info.value)
-    assert "\n" not in msg and f"'{key}' moved: set {new}" in msg
+    assert "\n" not in msg and "'sim.hardware'" in msg and "'cluster.gpu'" in msg
     assert len(msg) < 2 * MAX_SHOWN_CHARS
+    # an override of the new key wins over a file's old one
+    g = tmp_path / "old.yaml"
+    g.write_text("sim: {hardware: h100}\n")
+    assert load_config(g, ["cluster.gpu=h20"]).cluster.gpu == "h20"
 
 
 def test_trainer_dtype_parses_and_resolves() -> None:
