@@ -18,6 +18,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("pivot_hpc.bench.engine_bench", "hf engine tokens/s vs transformers generate"),
     "gps": ("pivot_hpc.bench.gps_bench", "GPS Read throughput vs memcpy, plan time (mpirun)"),
     "sim": ("pivot_hpc.bench.sim_bench", "simulator wall time at scale (paper group 4, N GPUs)"),
+    "failures": (
+        "pivot_hpc.bench.failures_bench",
+        "throughput lost to engine deaths, pivot+ vs the static modes (simulated, N GPUs)",
+    ),
     "groups": (
         "pivot_hpc.bench.groups_bench",
         "paper groups in every mode and strategy, simulated: Figures 9, 11, 14",

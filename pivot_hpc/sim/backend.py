@@ -111,6 +111,8 @@ class SimBackend:
             training=self.training,
             late_finish_share=self.late_finish_share,
             seed=cfg.sim.seed,
+            failures=cfg.sim.failures,
+            gpus=cfg.cluster.total_gpus,
         )
 
     def restore(self, cluster, rl) -> dict[str, Any]:

@@ -23,6 +23,14 @@ first served; the link is never idle while a read waits). A replica's wait is pa
 its `read_s`. Training's own shift-ups are not queued with them (its GPUs read their
 shards over every node of its set; they rarely meet an inference read on a node).
 
+Engine deaths (`sim.failures`, sim/failures.py) strike GPUs at random; one on a GPU serving
+an inference replica kills its engine. As the live engine guard does
+(runtime/engine_guard.py), the dead replica decodes nothing more, keeps each sequence's
+tokens as of its last refresh (REFRESH_S: what was decoded since is lost and generated
+again), answers the coordinator's aborts with them, and takes sequences dispatched to it
+before the death is heard with the tokens they came with. The coordinator's `on_failure`
+then recovers it as it does live; a restart's shift-up takes `restart_s` more.
+
 Events are ordered by (time, kind, id) with lazy invalidation (a replica's pending finish
 event is dropped if its membership changed since), so a run is deterministic for a seed.
 """
@@ -37,14 +45,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pivot_hpc.coordinator.events import SequenceFinished, ShiftDone, TrainingDone, WeightsUpdated
+from pivot_hpc.coordinator.events import (
+    ReplicaFailed,
+    SequenceFinished,
+    ShiftDone,
+    TrainingDone,
+    WeightsUpdated,
+)
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.planner.snapshot import TRAINING, role_of
 from pivot_hpc.scheduler import SeqLengths
 from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
+from pivot_hpc.sim.config import FailureConfig
+from pivot_hpc.sim.failures import REFRESH_S, DeathClock
 
-# event kinds, in tie-breaking order
-FINISH, SHIFT, WEIGHTS, TRAIN = 0, 1, 2, 3
+# event kinds, in tie-breaking order (a death last: what finished at its instant is kept)
+FINISH, SHIFT, WEIGHTS, TRAIN, DEATH = 0, 1, 2, 3, 4
 RETRACT_HEADROOM = 20  # tokens per remaining sequence after a retraction (SGLang: 20 steps)
 
 
@@ -77,6 +93,8 @@ class _Replica:
     lengths_grow: int = 0  # the first this many of the cache are running (they grow)
     fixed_n: int = -1  # membership size `fixed` was computed for
     fixed: float = 0.0  # F(n): the step time at zero tokens held
+    # a dead engine (sim.failures): seq id -> (context, generated) it answers aborts with
+    dead: dict[int, tuple[float, float]] | None = None
 
     def step_fixed(self) -> float:
         n = len(self.seqs)
@@ -125,10 +143,14 @@ class SimCluster:
         training: TrainingCosts,
         late_finish_share: float = 0.0,
         seed: int = 0,
+        failures: FailureConfig | None = None,
+        gpus: int = 0,
     ) -> None:
         """`late_finish_share`: the fraction of aborted running sequences that finish just
         before their abort arrives (a live engine's race; 0 = never). Tests set it so the
-        coordinator's late-abort path runs deterministically (seeded by `seed`)."""
+        coordinator's late-abort path runs deterministically (seeded by `seed`).
+        `failures`: engine deaths on the cluster's `gpus` GPUs (None or an MTBF of 0:
+        none; seeded by `seed`)."""
         self.inference = inference
         self.late_finish_share = late_finish_share
         self._late = random.Random(seed) if late_finish_share > 0 else None
@@ -147,6 +169,17 @@ class SimCluster:
         self.read_wait_s = 0.0  # seconds reads waited for their node's link (all replicas)
         self._after_down: dict[str, tuple[str, int]] = {}  # down rid -> chained shift-up
         self._going_down: set[str] = set()  # replicas whose shift-down has not fired
+        # Engine deaths: GPU -> the inference replica serving on it (its shift-up has
+        # fired, its shift-down not been asked); replicas whose next shift-up restarts them
+        self._serving: dict[int, str] = {}
+        self._restart: set[str] = set()
+        self.restart_s = failures.restart_s if failures is not None else 0.0
+        self.deaths = 0  # engines killed while serving
+        self.deaths_elsewhere = 0  # deaths on GPUs that trained, idled or shifted
+        self._deaths = None
+        if failures is not None and failures.enabled:
+            self._deaths = DeathClock(failures, gpus, seed)
+            self._push_death(0.0)
 
     # ----------------------------------------------------------- engine
     def now(self) -> float:
@@ -154,6 +187,64 @@ class SimCluster:
 
     def _push(self, t: float, kind: int, key: str, stamp: int, payload: object) -> None:
         heapq.heappush(self._heap, (t, kind, key, stamp, payload))
+
+    def _push_death(self, t: float) -> None:
+        at, gpu, since = self._deaths.next(t)
+        self._push(at, DEATH, "", gpu, since)
+
+    def kill(self, rid: str, at: float, since_refresh: float = REFRESH_S) -> None:
+        """Kill `rid`'s engine at time `at`, `since_refresh` seconds after its last token
+        refresh, if it is serving then (tests: a death where and when they choose)."""
+        self._push(at, DEATH, rid, -1, since_refresh)
+
+    def _gpus(self, rid: str) -> range:
+        """An inference replica's GPUs: slot s of a role of tp GPUs holds [s·tp, (s+1)·tp)."""
+        tp = self.inference[role_of(rid)].tp
+        slot = int(rid.split(":", 1)[1])
+        return range(slot * tp, (slot + 1) * tp)
+
+    def _die(self, r: _Replica, since_refresh: float) -> ReplicaFailed:
+        """`r`'s engine dies now: it decodes nothing more; each sequence keeps its tokens as
+        of the last refresh, `since_refresh` seconds ago (those it came with if it was
+        admitted since), and loses the rest (generated again where it runs next)."""
+        self._advance(r)
+        n = len(r.seqs)
+        # decode iterations since the refresh: its decoding seconds (none while it
+        # prefilled or loaded weights) at the current step time (the window's longest)
+        decoding = max(0.0, self.t - max(self.t - since_refresh, r.busy_until))
+        step = r.costs.A * r.tok + r.step_fixed() if n else math.inf
+        window = decoding / step
+        kept: dict[int, tuple[float, float]] = {}
+        lost = kept_tokens = 0.0
+        for sid, s in r.seqs.items():
+            mine = r.iters - s.base  # generated since it was admitted here
+            gone = min(window, mine)
+            kept[sid] = (r.length(s) - gone, s.generated0 + mine - gone)
+            lost += gone
+        for sid, (context, done, _) in r.waiting.items():  # retracted: nothing decoding
+            kept[sid] = (context, done)
+        kept_tokens = sum(done for _, done in kept.values())
+        r.seqs.clear()
+        r.offsets.clear()
+        r.finishing.clear()
+        r.waiting.clear()
+        r.tok = 0.0
+        r.dead = kept
+        r.version += 1  # its pending finish is void
+        r.lengths_cache = None
+        self.deaths += 1
+        self._restart.add(r.rid)
+        return ReplicaFailed(
+            self.t,
+            r.role,
+            r.rid,
+            f"{r.role} engine of {r.rid}",
+            f"injected engine death (sim.failures), {since_refresh:.2f} s after its last "
+            "token refresh",
+            sequences=len(kept),
+            tokens_kept=round(kept_tokens),
+            tokens_lost=round(lost),
+        )
 
     def _advance(self, r: _Replica) -> None:
         start = max(r.t_last, r.busy_until)
@@ -206,6 +297,9 @@ class SimCluster:
             phases = dict(costs.shift_up_s)
             if "read_s" in phases:
                 phases["read_s"] = self._read(rid, phases["read_s"])
+            if rid in self._restart:  # a fresh engine process, not a sleeping one
+                self._restart.discard(rid)
+                phases["restart_s"] = self.restart_s
             self._replicas[rid] = _Replica(rid, role, costs, t_last=self.t)
         self._push(self.t + sum(phases.values()), SHIFT, rid, 0, ("up", phases))
 
@@ -216,10 +310,12 @@ class SimCluster:
             phases = dict(self.training.extension_down_s)
         else:
             r = self._replicas.pop(rid)
-            if r.seqs or r.waiting:
-                raise RuntimeError(
-                    f"{rid} shifted down with {len(r.seqs) + len(r.waiting)} sequences left"
-                )
+            if r.seqs or r.waiting or r.dead:
+                left = len(r.seqs) + len(r.waiting) + len(r.dead or ())
+                raise RuntimeError(f"{rid} shifted down with {left} sequences left")
+            for g in self._gpus(rid):
+                if self._serving.get(g) == rid:
+                    del self._serving[g]
             r.version += 1
             phases = dict(r.costs.shift_down_s)
         self._going_down.add(rid)
@@ -233,7 +329,9 @@ class SimCluster:
         done = self._progress.pop(key, 0.0)
         context = sample.prompt_len + (sample.response_len if role == "reward" else 0) + done
         self._targets[key] = (target, sample.payload)
-        if r.waiting:  # the engine is full: arrivals queue behind the retracted sequences
+        if r.dead is not None:  # sent before its death was heard: kept as it came
+            r.dead[sample.sample_id] = (context, done)
+        elif r.waiting:  # the engine is full: arrivals queue behind the retracted sequences
             r.waiting[sample.sample_id] = (context, done, target)
         else:
             self._admit(r, sample.sample_id, context, done, target)
@@ -288,6 +386,10 @@ class SimCluster:
 
     def _abort(self, rid: str, seq_id: int) -> int:
         r = self._replicas[rid]
+        if r.dead is not None:  # its tokens as last refreshed
+            context, done = r.dead.pop(seq_id)
+            self._progress[(r.role, seq_id)] = done
+            return round(context)
         self._advance(r)
         if seq_id in r.waiting:
             context, done, _ = r.waiting.pop(seq_id)
@@ -437,9 +539,23 @@ class SimCluster:
                 self._going_down.discard(key)
                 if key in self._after_down:
                     self.shift_up(*self._after_down.pop(key))
+            elif role_of(key) != TRAINING:  # serving from now: its GPUs' deaths kill it
+                for g in self._gpus(key):
+                    self._serving[g] = key
             return [ShiftDone(self.t, key, direction, phases)]
         if kind == WEIGHTS:
             return [WeightsUpdated(self.t, key, int(payload))]
+        if kind == DEATH:
+            if stamp >= 0:  # the clock's: on GPU `stamp`, whatever it serves then
+                self._push_death(self.t)
+                rid = self._serving.get(stamp)
+            else:  # kill(): that replica, if it serves then
+                rid = key if key in self._serving.values() else None
+            r = self._replicas.get(rid) if rid is not None else None
+            if r is None or r.dead is not None:
+                self.deaths_elsewhere += 1
+                return []
+            return [self._die(r, float(payload))]
         return [TrainingDone(self.t, stamp, {"loss": float("nan")})]
 
     def made_tokens(self) -> tuple[float, float]:

@@ -6,7 +6,8 @@ plan` alike. Every setting a live run has is read from its live key (the GPU fro
 training from `rl.trainer` and `rl.grpo`, models from `models`, engine profiles and
 running caps from `engines`); sim/settings.py gathers them in one place. What is left here
 is what a live run does not choose but observes: the lengths its policy and GenRM
-generate (the synthetic workload the simulator draws instead) and the workload's seed.
+generate (the synthetic workload the simulator draws instead), the workload's seed, and
+the engine deaths a live run suffers rather than chooses (`sim.failures`, off by default).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from pivot_hpc.config.loader import Moved
 from pivot_hpc.errors import fail
 
 
@@ -45,10 +47,10 @@ class WorkloadConfig:
     accuracy_end: float = 0.6  # … approached over …
     accuracy_steps: float = 20.0  # … this many steps (exponential)
 
-    # Keys that moved to the live vocabulary: the loader refuses them with this hint.
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "response_cap": "rl.max_response_tokens",
-        "judgement_cap": "rl.reward.genrm_max_tokens",
+    # Keys that moved to the live vocabulary (issue 34): deprecated aliases, read there.
+    MOVED_KEYS: ClassVar[dict[str, Moved]] = {
+        "response_cap": Moved(("rl.max_response_tokens",)),
+        "judgement_cap": Moved(("rl.reward.genrm_max_tokens",)),
     }
 
     def validate(self, path: str) -> None:
@@ -87,6 +89,44 @@ class Workload(WorkloadConfig):
 
 
 @dataclass(kw_only=True)
+class FailureConfig:
+    """Injected inference-engine deaths (sim/failures.py; a live run has them, not sets
+    them). Each GPU fails at exponential intervals of mean `mtbf_gpu_hours` of simulated
+    time, drawn from `sim.seed` alone, so every mode of one seed meets the same deaths. A
+    death on a GPU serving an inference replica kills that replica's engine: it is
+    reported as a live engine's death is (`ReplicaFailed`) and the coordinator recovers it
+    the same way — an unplanned shift-down, then a restart or, dying again within
+    `deployment.engine_restart_window_s`, exclusion (docs/engines.md). A death on a GPU that
+    trains, idles or shifts is not modelled (counted as `deaths_elsewhere`)."""
+
+    # mean time between failures of one GPU, hours of simulated time (0: no failures).
+    # Meta's Llama 3 run saw one interruption per ~50,000 GPU-hours; engine software
+    # faults (OOM, hangs) add to that
+    mtbf_gpu_hours: float = 0.0
+    # extra seconds a restarted engine takes before its shift-up completes, on top of the
+    # ordinary shift-up (which reads the policy from GPS): a fresh engine process starting
+    # (CUDA context, NCCL for its tensor parallelism, CUDA graph capture) where a shift-up
+    # only resumes a sleeping one. An estimate: vLLM and SGLang cold-start a large model
+    # in about a minute once its weights are at hand
+    restart_s: float = 60.0
+
+    def validate(self, path: str) -> None:
+        for key in ("mtbf_gpu_hours", "restart_s"):
+            v = getattr(self, key)
+            if not math.isfinite(v) or v < 0:
+                fail(f"{path}.{key}", v, "must be a finite number >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mtbf_gpu_hours > 0
+
+
+def _recompute(value: object) -> object:
+    """sim.activation_recompute (a bool) as rl.trainer.recompute."""
+    return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+
+@dataclass(kw_only=True)
 class SimConfig:
     """What only the simulator needs: the synthetic workload in place of the generations a
     live run measures. Engine, shift and training costs come from `pivot-hpc calibration`
@@ -94,17 +134,20 @@ class SimConfig:
 
     seed: int = 0  # workload seed (a run is deterministic for a seed; --seed)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)  # injected engine deaths
 
     # Keys that moved to the live vocabulary (one description per deployment, issue 34):
-    # the loader refuses them with this hint instead of the list of valid keys.
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "hardware": "cluster.gpu",
-        "policy_model": "models.policy_catalog (or a models.policy_path whose directory names it)",
-        "reward_model": "models.genrm_catalog (or a models.genrm_path whose directory names it)",
-        "training_tp": "rl.trainer.tp",
-        "recompute_old_logprobs": "rl.grpo.recompute_old_logprobs",
-        "activation_recompute": "rl.trainer.recompute (true = full, false = none)",
-        "max_running_requests": "engines.rollout.max_batch and engines.reward.max_batch",
-        "rollout_profile": "engines.rollout.throughput_profile",
-        "reward_profile": "engines.reward.throughput_profile",
+    # deprecated aliases, read at their new keys with one line saying so.
+    MOVED_KEYS: ClassVar[dict[str, Moved]] = {
+        "hardware": Moved(("cluster.gpu",)),
+        "policy_model": Moved(("models.policy_catalog",)),
+        "reward_model": Moved(("models.genrm_catalog",)),
+        "training_tp": Moved(("rl.trainer.tp",)),
+        "recompute_old_logprobs": Moved(("rl.grpo.recompute_old_logprobs",)),
+        "activation_recompute": Moved(
+            ("rl.trainer.recompute",), _recompute, "true = full, false = none"
+        ),
+        "max_running_requests": Moved(("engines.rollout.max_batch", "engines.reward.max_batch")),
+        "rollout_profile": Moved(("engines.rollout.throughput_profile",)),
+        "reward_profile": Moved(("engines.reward.throughput_profile",)),
     }
