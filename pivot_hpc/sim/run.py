@@ -116,6 +116,12 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "migrated_sequences": logs.migrated,
         "preempted_sequences": cluster.preempted,
         "events": logs.events,
+        # injected engine deaths (sim.failures): the same keys as `pivot-hpc report`
+        "engine_failures": logs.engine_failures,
+        "engine_restarts": logs.engine_restarts,
+        "engines_excluded": sorted(logs.excluded),
+        "sequences_recovered": logs.sequences_recovered,
+        "tokens_regenerated": logs.tokens_regenerated,
         "staleness_max": max(logs.staleness, default=0),
         "reward_mean_first": logs.rewards[0] if logs.rewards else None,
         "reward_mean_last": logs.rewards[-1] if logs.rewards else None,
