@@ -145,6 +145,8 @@ class Coordinator:
         self.training_time = training_time
         self.strategy = strategy
         self._elastic_step: int | None = None  # the step whose size was decided
+        self._executing = False  # a plan is being carried out (execute)
+        self._train_deferred = False  # maybe_train was asked meanwhile
         self._train_t0 = 0.0
         self._generated = {r: [0, 0] for r in INFERENCE_ROLES}  # finished: tokens, count
 
@@ -315,6 +317,9 @@ class Coordinator:
     # ---------------------------------------------------------- training
     def maybe_train(self) -> None:
         tr = self.training
+        if self._executing:  # (a late finish inside a plan's take_down: see execute)
+            self._train_deferred = True
+            return
         if self.draining or not tr.active or tr.busy or TRAINING in self.shifts.shifting:
             return
         if not self.rl.batch_ready():
@@ -326,8 +331,8 @@ class Coordinator:
                 self._elastic_step = self.rl.version
                 plan = self._elastic_plan()
                 if plan is not None:
-                    self.shifts.execute(plan)
-                    if self._extensions_coming():
+                    self.execute(plan)
+                    if self._extensions_coming() or tr.busy:
                         return
         batch = self.rl.begin_training()
         tr.busy = True
@@ -478,7 +483,18 @@ class Coordinator:
         return self.shifts.idle()
 
     def execute(self, plan: ShiftPlan) -> None:
-        self.shifts.execute(plan)
+        """Carry out a plan. Training does not start in the middle of one: a sequence that
+        finished just before its abort landed is handled inside the plan's take-down, and
+        its `maybe_train` would start the step between the plan's downs and its ups (an
+        elastic extension then joins with the previous policy version)."""
+        self._executing = True
+        try:
+            self.shifts.execute(plan)
+        finally:
+            self._executing = False
+        if self._train_deferred:
+            self._train_deferred = False
+            self.maybe_train()
 
     def training_waits(self) -> bool:
         return not self.training.active and self.rl.batch_ready()

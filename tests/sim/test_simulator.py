@@ -384,3 +384,26 @@ def test_a_chained_shift_up_after_a_down_that_already_fired_starts_at_once() -> 
     sim.shift_up("rollout:0", 0, after="reward:0")  # its down has fired already
     (late,) = sim.poll(1e9)
     assert late.rid == "rollout:0" and late.t == pytest.approx(down.t + up_s)
+
+
+@pytest.mark.parametrize("strategy", ["pivot", "pivot+"])
+def test_training_never_starts_inside_a_plan(strategy: str) -> None:
+    """A sequence that finishes just before its abort lands is handled inside a plan's
+    take-down; the training step it makes ready must not start between the plan's downs
+    and its ups (a live elastic extension then joined with the previous policy version:
+    the training rank had trained past it when asked to publish)."""
+    cfg = tiny("pivot", f"planner.strategy={strategy}", "planner.elastic_training=true")
+    job = builder.build(cfg, SimBackend(late_finish_share=0.5))
+    coord = job.coordinator
+    carry_out = coord.shifts.execute
+    started_inside: list = []
+
+    def watched(plan) -> None:  # (instrumentation: the real executor runs)
+        before = coord.training.busy
+        carry_out(plan)
+        if coord.training.busy and not before:
+            started_inside.append(plan)
+
+    coord.shifts.execute = watched
+    job.run()
+    assert coord.rl.version == cfg.loop.steps and not started_inside
