@@ -25,3 +25,14 @@ def prompts():
         torch.randint(3, 99, (int(torch.randint(3, 24, (1,), generator=g)),), generator=g).tolist()
         for _ in range(10)
     ]
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tiny_model, tmp_path_factory):
+    """The tiny policy with its tokenizer as a Hugging Face directory (child engines)."""
+    from pivot_hpc.models.tokenizer import build_tokenizer
+
+    d = tmp_path_factory.mktemp("policy")
+    tiny_model.save_pretrained(d)
+    build_tokenizer().save_pretrained(d)
+    return d

@@ -14,7 +14,6 @@ import pytest
 from pivot_hpc.engines.base import InferenceEngine, SamplingParams
 from pivot_hpc.engines.child_engine import ChildEngine, EngineProcessError
 from pivot_hpc.engines.hf_engine import HFEngine
-from pivot_hpc.models.tokenizer import build_tokenizer
 
 from .test_engine_conformance import PROMPTS, drain
 
@@ -22,16 +21,8 @@ ARGS = {"kv_capacity_tokens": 4096, "max_batch": 8, "max_seq_len": 256, "seed": 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model, tmp_path_factory):
-    d = tmp_path_factory.mktemp("policy")
-    tiny_model.save_pretrained(d)
-    build_tokenizer().save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def child(model_dir):
-    eng = ChildEngine("hf", str(model_dir), {**ARGS, "device": "cpu"})
+def child(hf_model_dir):
+    eng = ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"})
     yield eng
     eng.close()
 
@@ -70,9 +61,9 @@ def test_a_dead_engine_is_one_error_naming_it(child) -> None:
         child.step()
 
 
-def test_no_mpi_environment_reaches_the_child(model_dir, monkeypatch) -> None:
+def test_no_mpi_environment_reaches_the_child(hf_model_dir, monkeypatch) -> None:
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
-    eng = ChildEngine("hf", str(model_dir), {**ARGS, "device": "cpu"})
+    eng = ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"})
     try:
         env = open(f"/proc/{eng.pid}/environ", "rb").read().split(b"\0")
         assert not [e for e in env if e.startswith(b"OMPI_")]

@@ -10,26 +10,11 @@ import time
 
 import pytest
 
-from pivot_hpc.engines.base import SamplingParams
 from pivot_hpc.engines.child_engine import ChildEngine
-from pivot_hpc.models.tokenizer import build_tokenizer
 from pivot_hpc.runtime.engine_guard import GuardedEngine
 
+from .test_child_engine import ARGS, greedy
 from .test_engine_conformance import PROMPTS
-
-ARGS = {"kv_capacity_tokens": 4096, "max_batch": 8, "max_seq_len": 256, "seed": 3}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model, tmp_path_factory):
-    d = tmp_path_factory.mktemp("policy")
-    tiny_model.save_pretrained(d)
-    build_tokenizer().save_pretrained(d)
-    return d
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def wait_gone(pid: int) -> None:
@@ -43,8 +28,8 @@ def wait_gone(pid: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_engine_keeps_the_streamed_tokens_and_counts_what_is_lost(model_dir) -> None:
-    eng = GuardedEngine(ChildEngine("hf", str(model_dir), {**ARGS, "device": "cpu"}))
+def test_a_killed_engine_keeps_the_streamed_tokens_and_counts_what_is_lost(hf_model_dir) -> None:
+    eng = GuardedEngine(ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"}))
     try:
         eng.add(0, PROMPTS[0], None, greedy(50))
         eng.add(1, PROMPTS[1], [7, 8], greedy(50), [-0.5, -0.25])  # came with 2 tokens
@@ -74,8 +59,8 @@ def test_a_killed_engine_keeps_the_streamed_tokens_and_counts_what_is_lost(model
 
 
 @pytest.mark.timeout(120)
-def test_a_death_between_calls_is_found_by_the_health_check(model_dir) -> None:
-    eng = GuardedEngine(ChildEngine("hf", str(model_dir), {**ARGS, "device": "cpu"}))
+def test_a_death_between_calls_is_found_by_the_health_check(hf_model_dir) -> None:
+    eng = GuardedEngine(ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"}))
     try:
         eng.check()
         assert not eng.dead
@@ -88,10 +73,10 @@ def test_a_death_between_calls_is_found_by_the_health_check(model_dir) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_hung_engine_is_killed_by_the_watchdog(model_dir) -> None:
+def test_a_hung_engine_is_killed_by_the_watchdog(hf_model_dir) -> None:
     """Alive but not answering (SIGSTOP stands for a wedged scheduler): the rank's call
     returns within the watchdog, the process is killed, the engine is dead, not hung."""
-    child = ChildEngine("hf", str(model_dir), {**ARGS, "device": "cpu"}, watchdog_s=120)
+    child = ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"}, watchdog_s=120)
     child.watchdog_s = 2.0  # (a start on this busy machine may take longer)
     eng = GuardedEngine(child)
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
@@ -20,3 +22,16 @@ def run_command(run_dir: Path, *overrides: str) -> list[str]:
         str(run_dir),
         *overrides,
     ]
+
+
+def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Until `text` appears in a job's log (an AssertionError with the log's tail if the
+    job exits first or `timeout` seconds pass)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if text in log.read_text():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before {text!r}:\n{log.read_text()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} within {timeout}s:\n{log.read_text()[-3000:]}")

@@ -20,7 +20,7 @@ from pathlib import Path
 import listeners
 import numpy as np
 import pytest
-from live import ROOT, run_command
+from live import ROOT, run_command, wait_for
 
 from pivot_hpc.checkpoint import store
 from pivot_hpc.runtime.checkpointing import load_rl_state
@@ -47,17 +47,6 @@ def start(run_dir: Path, log: Path, *overrides: str, delay_s: float) -> subproce
         env=env,
         start_new_session=True,  # mpirun and its ranks share this session: kill them all
     )
-
-
-def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if text in log.read_text():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode} before {text!r}:\n{log.read_text()}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {text!r} within {timeout}s:\n{log.read_text()[-3000:]}")
 
 
 def kill_session(proc: subprocess.Popen) -> None:

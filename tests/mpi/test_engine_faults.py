@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from live import ROOT, run_command
+from live import ROOT, run_command, wait_for
 
 from pivot_hpc.telemetry import open_run
 
@@ -72,17 +72,6 @@ def busiest(session: int) -> int:
     before = {p: cpu_ticks(p) for p in pids}
     time.sleep(1.0)
     return max(pids, key=lambda p: cpu_ticks(p) - before[p])
-
-
-def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if text in log.read_text():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode} before {text!r}:\n{log.read_text()}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {text!r} within {timeout}s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.mark.slow
