@@ -24,6 +24,7 @@ from pivot_hpc.coordinator.events import (
     WeightsUpdated,
 )
 from pivot_hpc.coordinator.hooks import Hooks
+from pivot_hpc.coordinator.inference_rates import InferenceRates
 from pivot_hpc.coordinator.mode_api import Mode
 from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock, TrainingTime
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState, Sample
@@ -149,6 +150,7 @@ class Coordinator:
         self._train_deferred = False  # maybe_train was asked meanwhile
         self._train_t0 = 0.0
         self._generated = {r: [0, 0] for r in INFERENCE_ROLES}  # finished: tokens, count
+        self.rates = InferenceRates()  # tokens per GPU-second while a role has work
 
     # ------------------------------------------------------------- loop
     def run(self, progress: Callable[[int], None] | None = None) -> None:
@@ -185,6 +187,7 @@ class Coordinator:
         self.telemetry.flush()
 
     def tick(self) -> None:
+        self.rates.advance(self.cluster.now(), self.schedulers, self.topology)
         for role in INFERENCE_ROLES:
             self.schedulers[role].set_lengths(self.cluster.lengths(role))
         for role, fit in self.fits.items():
@@ -200,6 +203,7 @@ class Coordinator:
             self.mode.on_tick(self)
 
     def handle(self, ev) -> None:
+        self.rates.advance(self.cluster.now(), self.schedulers, self.topology)
         if isinstance(ev, SequenceFinished):
             self._on_finished(ev)
         elif isinstance(ev, ShiftDone):
@@ -286,6 +290,7 @@ class Coordinator:
         gen = self._generated[ev.role]
         gen[0] += ev.generated
         gen[1] += 1
+        self.rates.finished(ev.role, ev.generated)
         if self.admission is not None:
             self.admission.observe(ev.role, ev.generated)
             slots = len(self.topology.roles[ev.role].slots)
@@ -352,29 +357,29 @@ class Coordinator:
         if model is not None and model.ready():
             step_time = lambda gpus: model.step_time(lengths, gpus)  # noqa: E731
         moving = [*self.shifts.shifting, *self.shifts.pending_up]
+        work = self._inference_work()
         inputs = ElasticInputs(
             step_time=step_time,
             reshard_s=self.topology.shift_time.training,
-            work_tokens=self._inference_work(),
+            work_tokens=sum(work.values()),
             value_rate=self._measured_rate(),
             unavailable=frozenset(g for rid in moving for g in self.topology.gpus_of(rid)),
+            inference_gpu_s=self.rates.gpu_seconds(work),
         )
         return elastic_plan(self.snapshot(), inputs, strategy=self.strategy)
 
-    def _inference_work(self) -> float:
-        """Tokens inference still has to make for the released work: every sequence at
-        the mean length its role's sequences finished with (a rollout also needs its
-        judgement); inf while a role with work has finished none."""
+    def _inference_work(self) -> dict[str, float]:
+        """Tokens each inference role still has to make for the released work: every
+        sequence at the mean length its role's sequences finished with (a rollout also
+        needs its judgement); inf while a role with work has finished none."""
         n_ro, n_rm = self.schedulers["rollout"].n_seq, self.schedulers["reward"].n_seq
         need = {"rollout": n_ro, "reward": n_ro + n_rm}
-        work = 0.0
+        work = dict.fromkeys(need, 0.0)
         for role, n in need.items():
             if not n:
                 continue
             tokens, count = self._generated[role]
-            if not count:
-                return float("inf")
-            work += n * tokens / count
+            work[role] = n * tokens / count if count else float("inf")
         return work
 
     def _measured_rate(self) -> float:

@@ -24,7 +24,13 @@ For a candidate that trains on d replicas:
                                           tokens/s with the candidate's GPUs (taken slots:
                                           the migration replay of the inference candidates;
                                           slots given back: the same replay shifting up
-                                          the role further behind on them)
+                                          the role further behind on them). Once each
+                                          role's tokens per GPU-second while it had work
+                                          are measured, T_d = W·G_d/P: P the GPU-seconds
+                                          W needs at those rates, G_d the GPUs inference
+                                          keeps (`inference_gpus`) — the inference
+                                          planner moves GPUs between rollout and GenRM
+                                          within the stage, so W drains as a pool
     B_d = T_ref · (max(t_0, τ_0) − max(t_d, τ_d)) − φ_d
 
 with d_0 the replicas training holds now, φ_d the penalty of the occupants it shifts down
@@ -67,6 +73,20 @@ class ElasticInputs:
     work_tokens: float  # W: tokens inference still has to make (inf: unknown)
     value_rate: float  # T_ref, tokens/s
     unavailable: frozenset[int] = frozenset()  # GPUs in the middle of a shift
+    # GPU-seconds of inference the released work needs, at each role's measured tokens
+    # per GPU-second while it had work (None: nothing measured yet; see `_pool_drain`)
+    inference_gpu_s: float | None = None
+
+
+def inference_gpus(snap: Snapshot, extensions: list[str]) -> int:
+    """GPUs the inference roles can use while training holds its set and `extensions`."""
+    topo = snap.topology
+    gpus = {g for spec in topo.roles.values() for slot in spec.slots.values() for g in slot}
+    if snap.training.active:
+        gpus -= set(topo.training_gpus)
+    for rid in extensions:
+        gpus -= set(topo.gpus_of(rid))
+    return len(gpus)
 
 
 def _groups(snap: Snapshot, occupancy: dict[int, str], inputs: ElasticInputs):
@@ -122,14 +142,31 @@ def elastic_plan(
     t_cur = current_throughput(snap)
     t_ref = max(inputs.value_rate, t_cur)
     rate0 = _inference_rate(snap, sim, [], [])
+    pool = inputs.inference_gpu_s
+    if pool is not None and not math.isfinite(inputs.work_tokens):
+        pool = None
+    if pool is not None:
+        # The inference planner moves GPUs between rollout and GenRM through the stage,
+        # so the released work drains as a pool: its GPU-seconds over the GPUs inference
+        # keeps. Today's placement is no guide: when a batch is released pivot+ has just
+        # moved every replica to the role that had the work, so the role that has it now
+        # holds none (a replay of today's replicas then drains it never).
+        rate0 = inputs.work_tokens * inference_gpus(snap, held) / pool if pool > 0 else 0.0
+
+    def pool_rate(extensions: list[str]) -> float:
+        gpus = inference_gpus(snap, extensions)
+        return inputs.work_tokens * gpus / pool if pool else 0.0
 
     # (k replicas, up, down, φ, inference tokens/s meanwhile, seconds before the step)
     options: list[tuple[int, list[str], list[str], float, float, float]] = []
     # shrink: the last held extensions go back to the inference role further behind
     for keep in range(len(held)):
         back = held[keep:]
-        given = _given_back(snap, {g for rid in back for g in topo.gpus_of(rid)})
-        rate = _inference_rate(snap, sim, given, []) if given else rate0
+        if pool is not None:
+            rate = pool_rate(held[:keep])
+        else:
+            given = _given_back(snap, {g for rid in back for g in topo.gpus_of(rid)})
+            rate = _inference_rate(snap, sim, given, []) if given else rate0
         options.append((base + keep, [], back, 0.0, rate, 0.0))
     # grow: whole groups of slots, cheapest first; a new slot trains once its occupants
     # are down and it has read its state: the longer of R and the occupants' τ_shift
@@ -139,7 +176,10 @@ def elastic_plan(
     phi = 0.0
     for group_ups, group_downs, group_phi in _groups(snap, occupancy, inputs):
         ups, downs, phi = ups + group_ups, downs + group_downs, phi + group_phi
-        rate = _inference_rate(snap, sim, [], downs) if downs else rate0
+        if pool is not None:
+            rate = pool_rate(held + ups)
+        else:
+            rate = _inference_rate(snap, sim, [], downs) if downs else rate0
         wait = max([inputs.reshard_s, *(topo.tau(role_of(o)) for o in downs)])
         options.append((d0 + len(ups), list(ups), list(downs), phi, rate, wait))
     # Inference work a candidate leaves without a GPU waits for the step to end and then

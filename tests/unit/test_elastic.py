@@ -13,6 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pivot_hpc.config.schema import PlannerConfig, ShiftTimes
+from pivot_hpc.coordinator.inference_rates import InferenceRates
 from pivot_hpc.coordinator.monitor import MeasuredTrainingTime
 from pivot_hpc.coordinator.shifts import ShiftExecutor
 from pivot_hpc.planner import Snapshot, SnapshotError, Topology, TrainingState, replica_id
@@ -122,6 +123,39 @@ def test_held_extensions_go_back_to_a_starved_role() -> None:
     plan = elastic_plan(snap, inputs(600 * 300.0), strategy="pivot")
     assert plan is not None and not plan.up and plan.down
     assert set(plan.down) <= set(held)
+
+
+def test_released_work_drains_as_a_pool_not_on_todays_replicas() -> None:
+    """At a batch's release pivot+ has just moved every replica to the GenRM, so the
+    rollout work has no replica: a replay of today's replicas drains it never, every
+    size's makespan is unbounded and training never grows (the flaw issue 39 found). With
+    the measured GPU-seconds the work needs, it drains on the GPUs inference keeps: 600
+    GPU-s over 12 GPUs is 50 s against a 104 s step, so training grows to where both
+    stages meet (7 replicas: 63 s step beside 600/9 = 67 s of inference)."""
+    snap = snapshot(topology(), rollout=0, reward=12, seqs=(64, 0))
+    work = 64 * 1000.0
+    assert elastic_plan(snap, inputs(work), strategy="pivot") is None  # the replay: never
+    pooled = dataclasses.replace(inputs(work), inference_gpu_s=600.0)
+    plan = elastic_plan(snap, pooled, strategy="pivot")
+    assert plan is not None and len(plan.up) == 3 and plan.benefit > 0
+    assert all(d.startswith("reward:") for d in plan.down) and plan.penalty == 0.0
+
+
+def test_inference_rates_count_gpu_seconds_while_a_role_has_work() -> None:
+    topo = topology()
+    scheds = {r: Scheduler(r) for r in ("rollout", "reward")}
+    for g in range(4):
+        scheds["rollout"].add_replica(replica_id("rollout", g), 50_000, MODEL)
+    scheds["reward"].add_replica(replica_id("reward", 4), 50_000, MODEL)
+    rates = InferenceRates()
+    rates.advance(0.0, scheds, topo)
+    scheds["rollout"].submit(SeqState(0, 300))
+    rates.advance(10.0, scheds, topo)  # rollout: 4 GPUs x 10 s; reward had no work
+    rates.finished("rollout", 800)
+    assert rates.gpu_s == {"rollout": 40.0, "reward": 0.0}
+    assert rates.per_gpu_s("rollout") == 20.0 and rates.per_gpu_s("reward") is None
+    assert rates.gpu_seconds({"rollout": 400.0, "reward": 0.0}) == 20.0
+    assert rates.gpu_seconds({"rollout": 400.0, "reward": 10.0}) is None  # not measured
 
 
 def test_no_model_no_decision() -> None:
