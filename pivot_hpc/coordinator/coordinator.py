@@ -293,8 +293,7 @@ class Coordinator:
         self.rates.finished(ev.role, ev.generated)
         if self.admission is not None:
             self.admission.observe(ev.role, ev.generated)
-            slots = len(self.topology.roles[ev.role].slots)
-            sched.replica_limit = self.admission.replica_limit(ev.role, slots)
+            sched.replica_limit = self.admission.replica_limit(ev.role, self._slots(ev.role))
         s = self.samples[ev.seq_id]
         log = self.steps[s.step]
         if ev.role == "rollout":
@@ -318,6 +317,12 @@ class Coordinator:
                 self.dispatch("rollout")
         self.dispatch(ev.role)
         self.maybe_train()
+
+    def _slots(self, role: str) -> int:
+        """Slots `role` can hold: not training's own GPUs (training holds them but for a
+        "0 or N" shift-down, so sizing pipeline admission over them halved its cap)."""
+        busy = set(self.topology.training_gpus) if self.training.active else set()
+        return sum(not busy & set(g) for g in self.topology.roles[role].slots.values())
 
     # ---------------------------------------------------------- training
     def maybe_train(self) -> None:

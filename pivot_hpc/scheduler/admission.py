@@ -15,8 +15,10 @@ the best total concurrency is where they meet:
 
 — more running sequences only slow every iteration, including the oldest batch's, which
 the next release waits for; fewer leave capacity unused. `pipeline` admission spreads C*
-over every slot the role may use: each replica runs at most ⌈C*/slots⌉ sequences, so the
-role reaches C* when it holds all of them; with fewer replicas the rest wait in the
+over every slot the role can hold — its slots outside training's own GPUs (training
+gives those up only in a "0 or N" shift-down; sizing over them halved the cap): each
+replica runs at most ⌈C*/slots⌉ sequences, so the role reaches C* when it holds all of
+them; with fewer replicas the rest wait in the
 queue's priority order (sequence id: older batches first), which the planner reads as
 demand (Eq. 1 counts queued sequences). L̄ and L_max are the mean and the longest
 generated length of the role's sequences finished so far; until one has finished there is

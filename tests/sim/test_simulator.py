@@ -407,3 +407,22 @@ def test_training_never_starts_inside_a_plan(strategy: str) -> None:
     coord.shifts.execute = watched
     job.run()
     assert coord.rl.version == cfg.loop.steps and not started_inside
+
+
+def test_pipeline_admission_spreads_over_the_slots_a_role_can_hold() -> None:
+    """C* is spread over the slots the role can hold, not training's own GPUs: sized over
+    every slot of a 32-GPU cluster whose training holds 16, a role could reach only half
+    of C* (it held group 4's GenRM to small batches)."""
+    cfg = load_config(
+        Path(__file__).parents[2] / "configs/groups/group1-qwen1.5b-glm9b.yaml",
+        ["planner.strategy=pivot+", "scheduler.admission=pipeline", "loop.steps=2"],
+        files=False,
+    )
+    coord, _, _ = build(cfg)
+    coord.run()
+    topo, adm = coord.topology, coord.admission
+    holdable = len(topo.roles["reward"].slots) - len(topo.training_gpus)  # tp 1
+    assert holdable == 16 and coord.training.active
+    assert coord._slots("reward") == holdable
+    c = adm.concurrency("reward")
+    assert c > 0 and coord.schedulers["reward"].replica_limit == -(-c // holdable)
