@@ -15,15 +15,27 @@ MPI environment (it must not join the world, nor see its torch.distributed group
 when its pipe closes (the rank died or closed it), and is killed by the rank on close if it
 does not. Its library log records (WARNING and above) go to the rank's log file
 (runtime/library_noise.py) through an inherited descriptor.
+
+Its temporary files live in a directory of its own (TMPDIR), which the child removes when
+it exits and the rank once the process is gone, however it went (a rank that dies first
+closes the pipe: its child exits and removes it). vLLM's in-process engine core meets its
+one-rank torch.distributed group through a `vllm_dist_<uuid>` file store in the temporary
+directory, which only the store's destructor removes; a child ends with `os._exit` (or
+SIGKILL), so every vLLM start used to leave one behind. Torch inductor's compile cache
+stays where the rank's is (TORCHINDUCTOR_CACHE_DIR): a restart compiles nothing again.
 """
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
 import pickle
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -40,6 +52,7 @@ _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "
 # would not tell if a process the child started kept its end open
 _LIVENESS_S = 0.5
 KINDS = ("hf", "vllm")
+_TMP_ENV = "PIVOT_HPC_ENGINE_TMPDIR"  # the child's own temporary directory (removed at exit)
 
 
 class EngineProcessError(PivotError, RuntimeError):
@@ -66,17 +79,27 @@ class ChildEngine:
         env = {
             k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV) and k not in _DIST_ENV
         }
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+        # the child's temporary files: removed at its exit and by `_stop` (module docstring)
+        self.tmp_dir = tempfile.mkdtemp(prefix=f"pivot-{kind}-engine-")
+        env["TMPDIR"] = env[_TMP_ENV] = self.tmp_dir
         log_fd = _rank_log_fd()
         fds = (to_child_r, from_child_w) + ((log_fd,) if log_fd is not None else ())
         argv = [str(to_child_r), str(from_child_w), str(-1 if log_fd is None else log_fd)]
-        self._proc = spawn_shielded(
-            lambda: subprocess.Popen(
-                [sys.executable, "-P", "-m", __name__, *argv],
-                pass_fds=fds,
-                env=env,
-                stdin=subprocess.DEVNULL,
+        try:
+            self._proc = spawn_shielded(
+                lambda: subprocess.Popen(
+                    [sys.executable, "-P", "-m", __name__, *argv],
+                    pass_fds=fds,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                )
             )
-        )
+        except BaseException:
+            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
+                os.close(fd)
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            raise
         os.close(to_child_r)
         os.close(from_child_w)
         self._send = Connection(to_child_w, readable=False)
@@ -198,6 +221,19 @@ class ChildEngine:
         except subprocess.TimeoutExpired:
             self._proc.kill()  # it ignores the job's signals: only SIGKILL is sure
             self._proc.wait()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)  # gone with it: nothing writes there
+
+
+def _inductor_cache_dir() -> str:
+    """Torch inductor's default cache directory as the rank sees it (torch's
+    cache_dir_utils.default_cache_dir, outside fbcode): the child's TMPDIR is its own."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+    )
 
 
 def _rank_log_fd() -> int | None:
@@ -278,4 +314,6 @@ if __name__ == "__main__":
         Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
     )
     logging.shutdown()
+    if os.environ.get(_TMP_ENV):  # (its rank removes it too: after a kill, or if this fails)
+        shutil.rmtree(os.environ[_TMP_ENV], ignore_errors=True)
     os._exit(0)  # no interpreter teardown: the engine's threads and atexit hooks hold nothing

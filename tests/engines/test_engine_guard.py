@@ -91,3 +91,34 @@ def test_a_hung_engine_is_killed_by_the_watchdog(hf_model_dir) -> None:
         assert eng.abort(0).seq_id == 0  # its tokens as added (no refresh yet)
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_process_leaves_no_temporary_files_however_it_ends(hf_model_dir) -> None:
+    """The child's TMPDIR is its own: gone after a SIGKILL (vLLM's in-process engine core
+    leaves a `vllm_dist_<uuid>` file store there, which a killed or `os._exit`ed process
+    never removes) and after a clean close; torch inductor's cache stays the rank's."""
+    from pivot_hpc.engines.child_engine import _inductor_cache_dir
+
+    killed = GuardedEngine(ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"}))
+    closed = ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"})
+    try:
+        for child in (killed.engine, closed):
+            env = dict(
+                e.split("=", 1)
+                for e in open(f"/proc/{child.pid}/environ").read().split("\0")
+                if "=" in e
+            )
+            assert env["TMPDIR"] == child.tmp_dir and os.path.isdir(child.tmp_dir)
+            assert env["TORCHINDUCTOR_CACHE_DIR"] == _inductor_cache_dir()
+            with open(os.path.join(child.tmp_dir, "vllm_dist_0"), "w") as f:  # as vLLM's
+                f.write("store")
+        assert killed.engine.tmp_dir != closed.tmp_dir
+        os.kill(killed.pid, signal.SIGKILL)
+        wait_gone(killed.pid)
+        killed.check()
+        assert killed.dead and os.path.isdir(killed.engine.tmp_dir)  # until the rank closes
+    finally:
+        killed.close()
+        closed.close()
+    assert not os.path.exists(killed.engine.tmp_dir) and not os.path.exists(closed.tmp_dir)

