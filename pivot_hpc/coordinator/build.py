@@ -134,6 +134,8 @@ def build(cfg: Config, backend: Backend) -> Job:
         else None,
         rebalance=cfg.scheduler.rebalance,
         restart_window_s=cfg.deployment.engine_restart_window_s,
+        tool_timeout_s=cfg.tools.call_timeout_s if cfg.tools.enabled else None,
+        horizon_s=cfg.planner.horizon_s,
     )
     backend.ready(coord)
     return Job(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from pivot_hpc.agentic.messages import ToolCall
 from pivot_hpc.coordinator.events import Event, SequenceFinished
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.scheduler import SeqLengths
@@ -78,6 +79,11 @@ class Cluster(Protocol):
     def made_tokens(self) -> tuple[float, float]:
         """(rollout, reward) tokens the engines have made so far, unfinished sequences
         included; NaN where the cluster does not count them."""
+        ...
+
+    def call_tool(self, call: ToolCall) -> None:
+        """Run a tool call off the coordinator (a node's sandbox service, or a simulated
+        latency); its outcome comes back from `poll` as a `ToolReturned` event."""
         ...
 
     def poll(self, until: float) -> list[Event]:

@@ -20,6 +20,7 @@ from pivot_hpc.coordinator.events import (
     ReplicaFailed,
     SequenceFinished,
     ShiftDone,
+    ToolReturned,
     TrainingDone,
     WeightsUpdated,
 )
@@ -29,6 +30,7 @@ from pivot_hpc.coordinator.mode_api import Mode
 from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock, TrainingTime
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState, Sample
 from pivot_hpc.coordinator.shifts import ShiftExecutor
+from pivot_hpc.coordinator.turns import TurnLoop
 from pivot_hpc.planner import ShiftPlan, Snapshot, Topology, TrainingState, role_of
 from pivot_hpc.planner.elastic import ElasticInputs, elastic_plan
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
@@ -78,6 +80,7 @@ class Stats:
     staleness: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # per step mean reward
     refits: int = 0  # throughput models refitted from measured decode steps
+    trained_with_calls: int = 0  # trained samples whose trajectory called a tool
 
 
 class Coordinator:
@@ -102,6 +105,8 @@ class Coordinator:
         admission: PipelineAdmission | None = None,
         rebalance: bool = False,
         restart_window_s: float = 600.0,
+        tool_timeout_s: float | None = None,
+        horizon_s: float = 0.0,
     ) -> None:
         self.cluster = cluster
         self.topology = topology
@@ -150,6 +155,18 @@ class Coordinator:
         self._train_deferred = False  # maybe_train was asked meanwhile
         self._train_t0 = 0.0
         self._generated = {r: [0, 0] for r in INFERENCE_ROLES}  # finished: tokens, count
+        # tools.enabled: multi-turn rollouts (turns.py); a call's deadline is tool_timeout_s
+        self.turns = (
+            None
+            if tool_timeout_s is None
+            else TurnLoop(
+                self,
+                rl.source,
+                call_timeout_s=tool_timeout_s,
+                rolled_out=self._rolled_out,
+                horizon_s=horizon_s,
+            )
+        )
         self.rates = InferenceRates()  # tokens per GPU-second while a role has work
 
     # ------------------------------------------------------------- loop
@@ -214,6 +231,8 @@ class Coordinator:
             pass  # the replica_version was set when the update was requested (see below)
         elif isinstance(ev, ReplicaFailed):
             self.shifts.on_failure(ev)
+        elif isinstance(ev, ToolReturned) and self.turns is not None:
+            self.turns.on_result(ev)
         else:
             raise TypeError(f"unknown event {ev!r}")
 
@@ -253,8 +272,10 @@ class Coordinator:
                 self.samples[s.sample_id] = s
                 if s.rewarded:
                     continue
+                if not s.rolled_out and self.turns is not None and self.turns.resume(s):
+                    continue  # parked on a tool call: the call is issued again
                 role = "reward" if s.rolled_out else "rollout"
-                context = s.reward_context if s.rolled_out else s.prompt_len
+                context = s.reward_context if s.rolled_out else s.turn_context
                 length = context + generated.get((role, s.sample_id), 0)
                 self.schedulers[role].submit(SeqState(s.sample_id, length, s))
 
@@ -297,12 +318,11 @@ class Coordinator:
         s = self.samples[ev.seq_id]
         log = self.steps[s.step]
         if ev.role == "rollout":
-            self.rl.rollout_done(s, ev.generated)
             log.rollout_tokens += ev.generated
-            context = self.rl.source.on_rollout(s, ev.generated, ev.result)
-            s.reward_context = context
-            self.schedulers["reward"].submit(SeqState(s.sample_id, context, s))
-            self.dispatch("reward")
+            if self.turns is None:
+                self._rolled_out(s, ev.generated, ev.result)
+            elif self.turns.on_turn(s, ev):  # the trajectory's last turn
+                self._rolled_out(s, self.turns.source.response_len(s), ev.result)
         else:
             verifiable, genrm = self.rewarder(s, ev.result)
             self.rl.reward_done(s, verifiable, genrm, ev.generated)
@@ -317,6 +337,14 @@ class Coordinator:
                 self.dispatch("rollout")
         self.dispatch(ev.role)
         self.maybe_train()
+
+    def _rolled_out(self, s: Sample, generated: int, result: Any) -> None:
+        """`s`'s rollout is over (`generated`: its response's tokens): judge it next."""
+        self.rl.rollout_done(s, generated)
+        context = self.rl.source.on_rollout(s, generated, result)
+        s.reward_context = context
+        self.schedulers["reward"].submit(SeqState(s.sample_id, context, s))
+        self.dispatch("reward")
 
     def _slots(self, role: str) -> int:
         """Slots `role` can hold: not training's own GPUs (training holds them but for a
@@ -408,6 +436,7 @@ class Coordinator:
                 f"step {ev.step}: staleness {max(stale)} exceeds the bound {self.rl.staleness}"
             )
         self.stats.staleness.extend(stale)
+        self.stats.trained_with_calls += sum(s.tool_calls > 0 for s in batch)
         n = len(batch)
         rewards = [s.reward for s in batch]
         mean = sum(rewards) / n
@@ -447,6 +476,7 @@ class Coordinator:
                 version_start=s.version_start,
                 response_tokens=s.response_len,
                 reward=s.reward,
+                tool_calls=s.tool_calls,
             )
         self.telemetry.flush()
         for s in batch:
@@ -525,7 +555,17 @@ class Coordinator:
         self.training.batch_pending = not self.training.batch_ready and (
             self.rl.released > self.rl.version
         )
-        return Snapshot(self.topology, self.schedulers, self.training, self.shifts.unrepaid())
+        parked = {}
+        if self.turns is not None and self.turns.parked:
+            due = self.turns.due_within(self.cluster.now(), self.turns.horizon_s)
+            parked = {"rollout": due}
+        return Snapshot(
+            self.topology,
+            self.schedulers,
+            self.training,
+            self.shifts.unrepaid(),
+            parked_due=parked,
+        )
 
     # --------------------------------------------------------- telemetry
     def _log_throughput(self) -> None:
@@ -543,4 +583,5 @@ class Coordinator:
                 n_tok=n_tok,
                 tokens_per_s=self.cluster.measured_throughput(role),
                 est_tokens_per_s=s.throughput(),
+                n_parked=self.turns.n_parked if self.turns and role == "rollout" else 0,
             )

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pivot_hpc.agentic.messages import ToolResult
+
 
 @dataclass(frozen=True)
 class SequenceFinished:
@@ -71,4 +73,13 @@ class ReplicaFailed:
     tokens_lost: int = 0
 
 
-Event = SequenceFinished | ShiftDone | TrainingDone | WeightsUpdated | ReplicaFailed
+@dataclass(frozen=True)
+class ToolReturned:
+    """The outcome of a tool call the coordinator made (`Cluster.call_tool`): a node's
+    sandbox ran it (live) or its simulated latency passed (simulator)."""
+
+    t: float
+    result: ToolResult
+
+
+Event = SequenceFinished | ShiftDone | TrainingDone | WeightsUpdated | ReplicaFailed | ToolReturned

@@ -35,10 +35,21 @@ class Sample:
     rolled_out: bool = False
     rewarded: bool = False
     trained_at: int = -1  # version that trained on it
+    # Tool-calling rollouts (coordinator/turns.py): rollout turns finished so far, and the
+    # context the next turn's sequence starts from (prompt + earlier turns and tool
+    # observations; 0: the prompt alone, a one-turn rollout)
+    turn: int = 0
+    context_len: int = 0
+    tool_calls: int = 0  # tool calls its trajectory made
 
     @property
     def reward(self) -> float:
         return self.reward_verifiable + self.reward_genrm
+
+    @property
+    def turn_context(self) -> int:
+        """Context length the current rollout turn's sequence starts from."""
+        return self.context_len or self.prompt_len
 
 
 class SampleSource(Protocol):

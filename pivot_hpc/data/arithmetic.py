@@ -9,6 +9,9 @@ that compares the claim with the reference digit by digit, then a score out of 1
 
     "says 85; ref 85. Score: 10"      (claim 85)
     "says 86; ref 8f. Score: 0"       (claim 86: the reference's differing 5 is written "f")
+
+The multi-operand variant (models.operands > 2, "47+38+96=?\n") is answered without
+working, or with a calculator call (models.calculator: data/calculator_task.py).
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ def worked_solution(a: int, b: int) -> str:
     return _columns(a, b)[0]
 
 
-def question(a: int, b: int) -> str:
-    return f"{a}+{b}=?\n"
+def question(*terms: int) -> str:
+    """The prompt: "47+38=?\n", or with more terms (models.operands) "47+38+96=?\n"."""
+    return "+".join(str(t) for t in terms) + "=?\n"
 
 
 def solution(a: int, b: int) -> str:
@@ -64,9 +68,9 @@ def carry_forgotten(a: int, b: int) -> str:
     return f"{cols}.Answer: {total}"
 
 
-def make_problem(a: int, b: int) -> Problem:
-    q = question(a, b)
-    return Problem(prompt=q, answer=str(a + b), uid=f"{a}+{b}", question=q)
+def make_problem(*terms: int) -> Problem:
+    q = question(*terms)
+    return Problem(prompt=q, answer=str(sum(terms)), uid="+".join(map(str, terms)), question=q)
 
 
 def sample_operands(rng: random.Random, max_digits: int) -> tuple[int, int]:
@@ -76,17 +80,35 @@ def sample_operands(rng: random.Random, max_digits: int) -> tuple[int, int]:
     )
 
 
-def problems(n: int, seed: int = 0, max_digits: int = 2) -> list[Problem]:
+def sample_terms(rng: random.Random, max_digits: int, n: int) -> tuple[int, ...]:
+    """`n` numbers to add: two are drawn as `sample_operands` draws them (the same random
+    sequence, so the two-operand task is unchanged); more have exactly `max_digits`
+    digits each, so most columns carry and a mental sum is easy to get wrong."""
+    if n == 2:
+        return sample_operands(rng, max_digits)
+    lo = 10 ** (max_digits - 1) if max_digits > 1 else 0
+    return tuple(rng.randrange(lo, 10**max_digits) for _ in range(n))
+
+
+def problems(n: int, seed: int = 0, max_digits: int = 2, operands: int = 2) -> list[Problem]:
+    """`n` problems of `operands` numbers each (models.operands; 2 is the default task)."""
     rng = random.Random(seed)
-    return [make_problem(*sample_operands(rng, max_digits)) for _ in range(n)]
+    return [make_problem(*sample_terms(rng, max_digits, operands)) for _ in range(n)]
 
 
 _Q = re.compile(r"^\s*(\d+)\+(\d+)=\?")
+_TERMS = re.compile(r"^\s*(\d+(?:\+\d+)+)=\?")
 
 
 def operands(q: str) -> tuple[int, int] | None:
     m = _Q.match(q)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def terms(q: str) -> tuple[int, ...] | None:
+    """The numbers a question adds, however many ("47+38+96=?" → (47, 38, 96))."""
+    m = _TERMS.match(q)
+    return tuple(int(x) for x in m.group(1).split("+")) if m else None
 
 
 def corrupt(response: str, rng: random.Random, q: str | None = None) -> str:
@@ -150,16 +172,16 @@ def judgement(q: str, response: str, max_score: int = 10, reference: str | None 
     Without a reference the judge must redo the sum first:
         "check 7+8=15,4+3+1=8 so 85; says 8g. Score: 0"
     """
-    ops = operands(q)
-    assert ops is not None
-    a, b = ops
+    ts = terms(q)
+    assert ts is not None
     m = re.search(r"Answer:\s*(\d+)\s*$", response)
     claimed = m.group(1) if m else "none"
-    true = str(a + b)
+    true = str(sum(ts))
     score = max_score if m is not None and claimed == true else 0
-    says = marked_copy(true, claimed)
     if reference is not None:
         # copy the claim first (nothing nearby to confuse it with), then the reference
         # marked against it: every lookup is at a fixed offset or after a fixed label
         return f"says {claimed}; ref {marked_copy(claimed, reference)}. Score: {score}"
+    a, b = ts  # the worked check exists for two operands only (the default task)
+    says = marked_copy(true, claimed)
     return f"check {worked_solution(a, b)} so {true}; says {says}. Score: {score}"

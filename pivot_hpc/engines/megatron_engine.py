@@ -206,8 +206,9 @@ class MegatronTrainEngine:
         self, batch: TrainBatch, rows: range, rollout: list[list[float]] | None = None
     ) -> dict[str, torch.Tensor]:
         """Right-padded tokens, next-token labels, a mask on response positions that carry
-        loss (none for a truncated sequence when `batch.truncated` says so), and with
-        `rollout` the rollout engine's logprobs (mismatch correction)."""
+        loss (`batch.loss_tokens`: none for a truncated sequence when `batch.truncated`
+        says so, none on tool-observation tokens), and with `rollout` the rollout engine's
+        logprobs (mismatch correction)."""
         seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
         s = max(len(x) for x in seqs)
         b = len(seqs)
@@ -223,7 +224,7 @@ class MegatronTrainEngine:
             ids[j, : len(seq)] = torch.tensor(seq)
             labels[j, : len(seq) - 1] = torch.tensor(seq[1:])
             # position t predicts token t+1: response tokens are predicted at p-1 … p+r-2
-            mask[j, p - 1 : p + r - 1] = 0.0 if batch.truncated and batch.truncated[i] else 1.0
+            mask[j, p - 1 : p + r - 1] = torch.tensor(batch.loss_tokens(i), dtype=mask.dtype)
             if rollout is not None:
                 ro[j, p - 1 : p + r - 1] = torch.tensor(rollout[i][:r])
             if batch.old_logprobs is not None:
@@ -278,12 +279,13 @@ class MegatronTrainEngine:
         self, batch: TrainBatch, keep: list[torch.Tensor] | None = None
     ) -> tuple[float, float]:
         """(loss tokens, sequences with any) over the whole batch, all data-parallel ranks.
-        `keep`: per sequence, which response tokens still carry loss (masked IS)."""
+        `keep`: per sequence, which response tokens still carry loss (masked IS). Tool
+        observations are not loss tokens: they never dilute the generated tokens' loss."""
         tokens = seqs = 0.0
-        for i, r in enumerate(batch.response_ids):
+        for i in range(len(batch)):
             if batch.truncated and batch.truncated[i]:
                 continue
-            k = float(keep[i].sum()) if keep is not None else float(len(r))
+            k = float(keep[i].sum()) if keep is not None else float(sum(batch.loss_tokens(i)))
             tokens += k
             seqs += 1.0 if k > 0 else 0.0
         n = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
@@ -313,12 +315,15 @@ class MegatronTrainEngine:
         rows = [i for i in range(len(batch)) if not (batch.truncated and batch.truncated[i])]
         old = [torch.tensor(trainer_old[i]) for i in range(len(batch))]  # as _pack packs
         ro = [torch.tensor(batch.old_logprobs[i][: len(old[i])]) for i in range(len(batch))]
+        # generated tokens only: an observation's rollout logprob is a 0.0 placeholder
+        on = [torch.tensor(batch.loss_tokens(i), dtype=old[i].dtype) for i in range(len(batch))]
         cat = torch.cat([old[i] for i in rows]) if rows else torch.zeros(0)
         cat_ro = torch.cat([ro[i] for i in rows]) if rows else torch.zeros_like(cat)
+        cat_on = torch.cat([on[i] for i in rows]) if rows else torch.zeros_like(cat)
         _, _, metrics = rollout_correction(
             cat,
             cat_ro,
-            torch.ones_like(cat),
+            cat_on,
             g.rollout_is,
             g.rollout_is_threshold,
             g.rollout_is_threshold_lower,
@@ -329,7 +334,7 @@ class MegatronTrainEngine:
                 rollout_correction(
                     old[i],
                     ro[i],
-                    torch.ones_like(old[i]),
+                    on[i],
                     "mask",
                     g.rollout_is_threshold,
                     g.rollout_is_threshold_lower,

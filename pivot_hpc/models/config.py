@@ -52,10 +52,15 @@ class SFTConfig:
     # warmed-up policy's greedy answer forgets it too, while sampling still finds the carry
     # sometimes: a systematic habit that the rewards expose and RL removes.
     carry_slip: float = 0.0
+    # Policy only, with models.calculator: the share of warm-up problems the teacher answers
+    # without the tool, "mentally", forgetting every carry ("Answer: 171" for 47+38+96) —
+    # the mistakes RL fixes by calling the calculator instead.
+    tool_slip: float = 0.0
 
     def validate(self, path: str) -> None:
-        if not 0.0 <= self.carry_slip <= 1.0:
-            fail(f"{path}.carry_slip", self.carry_slip, "a share: must be in [0, 1]")
+        for name in ("carry_slip", "tool_slip"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                fail(f"{path}.{name}", getattr(self, name), "a share: must be in [0, 1]")
         if self.steps < 0:
             fail(f"{path}.steps", self.steps, "must be >= 0")
         if self.batch_size < 1:
@@ -99,6 +104,13 @@ class ModelsConfig:
     seed: int = 0  # seed of model creation and warm-up data
     cache_dir: Path | None = None  # None = $PIVOT_HPC_CACHE or ~/.cache/pivot_hpc
     max_digits: int = 2  # synthetic task: operands have 1..max_digits digits
+    # synthetic task: numbers added per problem; 2 is "47+38=?" (worked column-wise), more
+    # is "47+38+96=?", each number max_digits long, answered with no working: "Answer: 181"
+    operands: int = 2
+    # synthetic task: the policy's teacher calls the calculator first —
+    # "<calc>47+38+96</calc>", observation "<result>181</result>", then "Answer: 181"
+    # (issue 37; the run needs tools.enabled with the calculator: configs/tiny-tools.yaml)
+    calculator: bool = False
     # Real models (Hugging Face directories on a shared file system; nothing is downloaded).
     # When set, they replace the tiny generated policy / GenRM above.
     policy_path: Path | None = None
@@ -123,6 +135,10 @@ class ModelsConfig:
         return None if d is None else Path(d).name
 
     def validate(self, path: str) -> None:
+        if self.operands < 2:
+            fail(f"{path}.operands", self.operands, "a sum needs >= 2 numbers")
+        if self.max_digits < 1:
+            fail(f"{path}.max_digits", self.max_digits, "must be >= 1")
         for name in ("policy_path", "genrm_path"):
             d = getattr(self, name)
             if d is not None and not (Path(d) / "config.json").is_file():

@@ -20,24 +20,36 @@ from pivot_hpc.models.tokenizer import load_tokenizer
 FORMAT_VERSION = 6  # bump when the task or judgement text changes
 
 
-def spec_key(kind: str, spec: TinyModelSpec, seed: int, max_digits: int) -> str:
-    blob = json.dumps(
-        {
-            "kind": kind,
-            "spec": asdict(spec),
-            "seed": seed,
-            "max_digits": max_digits,
-            "v": FORMAT_VERSION,
-        },
-        sort_keys=True,
-        default=str,
-    )
+def spec_key(
+    kind: str,
+    spec: TinyModelSpec,
+    seed: int,
+    max_digits: int,
+    operands: int = 2,
+    calculator: bool = False,
+) -> str:
+    fields = {
+        "kind": kind,
+        "spec": asdict(spec),
+        "seed": seed,
+        "max_digits": max_digits,
+        "v": FORMAT_VERSION,
+    }
+    # Options added after a default was cached enter the key only when set: the default
+    # models keep their directories (and nobody rebuilds them after an upgrade).
+    if fields["spec"]["sft"].get("tool_slip") == 0.0:
+        del fields["spec"]["sft"]["tool_slip"]
+    if operands != 2:
+        fields["operands"] = operands
+    if calculator:
+        fields["calculator"] = True
+    blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def model_dir(cfg: ModelsConfig, kind: str) -> Path:
     spec: TinyModelSpec = getattr(cfg, kind)
-    key = spec_key(kind, spec, cfg.seed, cfg.max_digits)
+    key = spec_key(kind, spec, cfg.seed, cfg.max_digits, cfg.operands, cfg.calculator)
     return cache_root(cfg.cache_dir) / "models" / f"{kind}-{key}"
 
 

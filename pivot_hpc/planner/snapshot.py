@@ -222,6 +222,11 @@ class Snapshot:
     # (up role, down role) shifts that would undo a plan that has not repaid its penalty
     # yet (coordinator/shifts.py; pivot+ does not plan them)
     unrepaid: frozenset[tuple[str, str]] = frozenset()
+    # Trajectories parked on a tool call (issue 37) that are due back within the planning
+    # horizon, per role: demand the role's scheduler does not hold yet (no running slot,
+    # no queue place) but whose next turn will need a replica within H. Those due later
+    # are not demand: their GPUs can serve the GenRM or training meanwhile.
+    parked_due: Mapping[str, int] = field(default_factory=dict)
 
     def validate(self) -> dict[int, str]:
         """Check consistency; return the GPU → occupant replica map."""
@@ -252,7 +257,9 @@ class Snapshot:
         return occupancy
 
     def n_seq(self, role: str) -> int:
-        return self.schedulers[role].n_seq
+        """N_seq of Eq. 1: the role's running and queued sequences, plus parked
+        trajectories due back within the horizon (`parked_due`)."""
+        return self.schedulers[role].n_seq + self.parked_due.get(role, 0)
 
     def throughput(self, role: str) -> float:
         return self.schedulers[role].throughput()

@@ -42,6 +42,8 @@ def build_model(cfg: ModelsConfig, kind: str, out: Path, progress: bool = True) 
         spec.sft,
         seed=seed,
         max_digits=cfg.max_digits,
+        operands=cfg.operands,
+        calculator=cfg.calculator,
         progress=progress,
     )
     meta = {

@@ -3,12 +3,17 @@
 The RL side owns this: group-relative advantages over each prompt's samples and the
 truncation mask are decided here, once, for every cluster — the live cluster adapter only
 says where each sample's tokens are.
+
+A multi-turn (tool-calling) sample's response is every token after the prompt: generated
+segments and the tool observations between them. Its `loss_mask` says which are which
+(1 = generated, trained on; 0 = observation, never trained on, issue 37), so one batch
+carries single-turn and multi-turn samples alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 from pivot_hpc.rl.config import GRPOConfig
 from pivot_hpc.rl.grpo import group_advantages
@@ -17,7 +22,7 @@ from pivot_hpc.rl.grpo import group_advantages
 @dataclass(slots=True)
 class TrainBatch:
     """Trajectories for one optimizer step. Sequence i is `prompt_ids[i] + response_ids[i]`;
-    the loss covers response tokens only."""
+    the loss covers response tokens only, and of those only where `loss_tokens(i)` is 1."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -26,9 +31,58 @@ class TrainBatch:
     ref_logprobs: list[list[float]] | None = None  # for the optional KL term
     versions: list[int] | None = None  # policy version that generated each sequence
     truncated: list[bool] | None = None  # True: cut at the length limit (no loss if masked)
+    # Per response token: 1 = generated (in the loss), 0 = tool observation (no loss, no
+    # token count, no gradient); None = every response token is generated (single turn).
+    loss_mask: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        # A mask that does not line up with its responses would train on the wrong
+        # tokens silently (e.g. a batch split by rows that forgot this field): refuse it.
+        if self.loss_mask is None:
+            return
+        if len(self.loss_mask) != len(self.response_ids):
+            raise ValueError(
+                f"TrainBatch: {len(self.loss_mask)} loss_mask rows for "
+                f"{len(self.response_ids)} responses (split batches with TrainBatch.rows)"
+            )
+        for i, (m, r) in enumerate(zip(self.loss_mask, self.response_ids, strict=True)):
+            if len(m) != len(r):
+                raise ValueError(
+                    f"TrainBatch: loss_mask[{i}] has {len(m)} entries for {len(r)} response tokens"
+                )
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    def loss_tokens(self, i: int) -> list[int]:
+        """Which response tokens of sequence i carry loss: none for a masked truncated
+        sequence, else its loss mask (all ones without one)."""
+        n = len(self.response_ids[i])
+        if self.truncated and self.truncated[i]:
+            return [0] * n
+        if self.loss_mask is None:
+            return [1] * n
+        return list(self.loss_mask[i])
+
+    def rows(self, indices: Iterable[int]) -> TrainBatch:
+        """The sub-batch of sequences `indices` (a data-parallel shard), every
+        per-sequence field picked alike."""
+        idx = list(indices)
+
+        def pick(xs):
+            return None if xs is None else [xs[i] for i in idx]
+
+        return replace(
+            self,
+            prompt_ids=pick(self.prompt_ids),
+            response_ids=pick(self.response_ids),
+            advantages=pick(self.advantages) if self.advantages else [],
+            old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+            versions=pick(self.versions),
+            truncated=pick(self.truncated),
+            loss_mask=pick(self.loss_mask),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +92,11 @@ class Trajectory:
     prompt_index: int  # samples of one prompt form a GRPO group
     reward: float
     prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float] | None  # the behaviour policy's, per response token
+    response_ids: list[int]  # generated and (multi-turn) tool-observation tokens
+    logprobs: list[float] | None  # the behaviour policy's, per response token (0.0: masked)
     version: int  # policy version that generated it
     truncated: bool  # stopped at the response length limit
+    loss_mask: list[int] | None = None  # 1 = generated, 0 = observation; None = all 1
 
 
 def assemble(trajectories: Sequence[Trajectory], grpo: GRPOConfig) -> TrainBatch:
@@ -51,6 +106,7 @@ def assemble(trajectories: Sequence[Trajectory], grpo: GRPOConfig) -> TrainBatch
         [t.prompt_index for t in trajectories],
         normalize_std=grpo.normalize_std,
     )
+    masked = any(t.loss_mask is not None for t in trajectories)
     return TrainBatch(
         prompt_ids=[t.prompt_ids for t in trajectories],
         response_ids=[t.response_ids for t in trajectories],
@@ -58,4 +114,12 @@ def assemble(trajectories: Sequence[Trajectory], grpo: GRPOConfig) -> TrainBatch
         old_logprobs=[t.logprobs for t in trajectories],
         versions=[t.version for t in trajectories],
         truncated=[t.truncated for t in trajectories] if grpo.mask_truncated else None,
+        loss_mask=(
+            [
+                list(t.loss_mask) if t.loss_mask is not None else [1] * len(t.response_ids)
+                for t in trajectories
+            ]
+            if masked
+            else None
+        ),
     )

@@ -93,9 +93,11 @@ def rollout_correction(
     "none": weights 1, mask unchanged (metrics only).
     """
     mask = mask.to(old_logprobs.dtype)
-    delta = (old_logprobs - rollout_logprobs).detach()
-    w = torch.exp(delta)
     on = mask > 0
+    # off the mask (padding, tool observations) the rollout logprob is a placeholder: a
+    # weight of exactly 1 there keeps an overflowing exp out of the loss (inf · 0 = nan)
+    delta = torch.where(on, old_logprobs - rollout_logprobs, 0.0).detach()
+    w = torch.exp(delta)
     seen = w[on]
     metrics: dict[str, float] = {
         "mismatch_abs_logp": float(delta[on].abs().mean()) if on.any() else 0.0
@@ -147,6 +149,14 @@ def ppo_clip_loss(
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
+    # Off the mask (padding, tool-observation tokens) the old/ref logprobs are placeholders
+    # (0.0 from the rollout): compare the policy with itself there, so the token's ratio is
+    # 1 and its KL 0. Multiplying by the mask alone is not enough: an exp that overflows
+    # at a masked token gives inf · 0 = nan, in the loss and in every gradient.
+    on = mask > 0
+    old_logprobs = torch.where(on, old_logprobs, logprobs.detach())
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(on, ref_logprobs, logprobs.detach())
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio

@@ -1,6 +1,7 @@
 """Rewards of paper §8.1: R = R_verifiable (DAPO) + R_GenRM, weights configurable.
 
-- Verifiable: DAPO-style extraction (the last "Answer: X" line, else the last \\boxed{X}),
+- Verifiable: DAPO-style extraction (the last "Answer: X" line, else the last \\boxed{X},
+  read after the last tool observation of a multi-turn response — never inside one),
   then `math_verify.verify(parse(gold), parse(pred))`. Correct → correct_score (DAPO: +1),
   wrong or missing → wrong_score (DAPO: −1).
 - GenRM: the GenRM sees the question, the response and (by default) the reference
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pivot_hpc.agentic.tools import RESULT_CLOSE
 from pivot_hpc.data.loaders import last_boxed
 from pivot_hpc.rl.config import RewardConfig
 
@@ -26,8 +28,17 @@ _ANSWER = re.compile(r"Answer\s*:\s*([^\n]*)", re.IGNORECASE)
 _SCORE = re.compile(r"Score\s*:\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
+def final_text(response: str) -> str:
+    """What the policy wrote after its last tool observation ("<result>…</result>"): the
+    final answer lives there. A calculator's result is not the policy's answer, and
+    an answer written before a later call was superseded by it."""
+    return response.rpartition(RESULT_CLOSE)[2]
+
+
 def extract_answer(response: str) -> str | None:
-    """DAPO's answer: the text after the last "Answer:"; else the last \\boxed{...}."""
+    """DAPO's answer: the text after the last "Answer:"; else the last \\boxed{...};
+    both read in `final_text` (after the last tool observation)."""
+    response = final_text(response)
     found = [m.strip() for m in _ANSWER.findall(response)]
     found = [f for f in found if f]
     if found:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pivot_hpc.agentic.trajectory import CallRecord, Segment, Trajectory, TrajectoryLimits
 from pivot_hpc.checkpoint import codec, store
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.data.problem import Problem
@@ -36,6 +37,8 @@ from pivot_hpc.safe_files import open_for_write
 RL_STATE = "rl_state.json"
 RANKS = "ranks.json"
 codec.register(Sample, LivePayload, Problem, SeqResult, GenRMStats)
+# tools.enabled: a sample's trajectory is saved as data (agentic/trajectory.py)
+codec.register(Trajectory, Segment, CallRecord, TrajectoryLimits)
 
 
 def coordinator_rng() -> dict[str, Any]:

@@ -43,7 +43,12 @@ def validation_problems(cfg, train: list[Problem]) -> list[Problem]:
     from pivot_hpc.data.arithmetic import problems
 
     seen = {p.prompt for p in train}
-    fresh = problems(4 * n + 64, seed=data.synthetic_seed + 7919, max_digits=cfg.models.max_digits)
+    fresh = problems(
+        4 * n + 64,
+        seed=data.synthetic_seed + 7919,
+        max_digits=cfg.models.max_digits,
+        operands=cfg.models.operands,
+    )
     return [p for p in fresh if p.prompt not in seen][:n]
 
 
@@ -71,6 +76,11 @@ class Evaluator:
             stop_token_ids=(tok.eos_token_id,),
         )
         self.history: list[Evaluation] = []
+        self.turns = None  # tools.enabled: trajectories with tool calls (evaluation_turns.py)
+        if cfg.tools.enabled:
+            from pivot_hpc.runtime.evaluation_turns import EvalTurns
+
+            self.turns = EvalTurns(tok, self.sampling, cfg.tools)
 
     def due(self, version: int) -> bool:
         every = self.cfg.loop.eval_every_steps
@@ -83,17 +93,19 @@ class Evaluator:
         t0 = time.perf_counter()
         tensors, version = self.gps.read("policy", [0], Parallelism(), device="cpu")
         self.engine.load_weights({k: torch.as_tensor(v) for k, v in tensors.items()}, version)
-        results = generate_all(self.engine, self.prompts, self.sampling)
-        mean, accuracy = score_answers(
-            [decode_response(self.tok, r.token_ids) for r in results],
-            [p.answer for p in self.problems],
-            self.cfg.rl.reward,
-        )
+        if self.turns is not None:
+            from pivot_hpc.runtime.host_tools import local_service
+
+            texts = self.turns.answers(self.engine, self.prompts, local_service())
+        else:
+            results = generate_all(self.engine, self.prompts, self.sampling)
+            texts = [decode_response(self.tok, r.token_ids) for r in results]
+        mean, accuracy = score_answers(texts, [p.answer for p in self.problems], self.cfg.rl.reward)
         ev = Evaluation(
             version=version,
             accuracy=accuracy,
             mean_verifiable=mean,
-            problems=len(results),
+            problems=len(texts),
             seconds=time.perf_counter() - t0,
         )
         self.history.append(ev)

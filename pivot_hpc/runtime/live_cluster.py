@@ -6,6 +6,13 @@ rank (the leader) runs the replica's engine and gets its sequences (the `hf` eng
 tp = 1; an `sglang` engine spans the replica's GPUs). "training" is the fixed training set;
 with elastic training "training:<slot>" is an extension that joins the steps it is held
 for (its ranks read the set's optimizer state from GPS, runtime/elastic.py).
+
+Tool calls (tools.enabled, coordinator/turns.py) go to the sandbox service of a node: the
+node with the fewest calls outstanding (ties: the lowest), leaving out nodes whose service
+is gone. Node 0's service belongs to this rank (rank 0 is node 0's host rank): it is
+called in-process and polled with MPI's events; the other nodes' host ranks take
+`ToolCall` commands and send `ToolResult` events (runtime/host_tools.py). `stop` collects
+the results still owed by other nodes before it sends `Stop`.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from collections.abc import Mapping, Sequence
 
 from mpi4py import MPI
 
+from pivot_hpc.agentic.messages import ToolCall, ToolResult
 from pivot_hpc.coordinator.events import (
     ReplicaFailed,
     SequenceFinished,
     ShiftDone,
+    ToolReturned,
     TrainingDone,
     WeightsUpdated,
 )
@@ -39,7 +48,13 @@ class WorkerFailed(PivotError, RuntimeError):
 
 class LiveCluster:
     def __init__(
-        self, comm, layout: Layout, topology: Topology, samples, world: TrainingWorld
+        self,
+        comm,
+        layout: Layout,
+        topology: Topology,
+        samples,
+        world: TrainingWorld,
+        tools_enabled: bool = False,
     ) -> None:
         self.comm = comm
         self.world = world  # the ranks that may train (runtime/elastic.py)
@@ -72,6 +87,21 @@ class LiveCluster:
         self._ready: dict[int, float] = {}  # worker rank -> its start-up seconds
         self._sending: list = []  # requests of commands not yet received (see _send)
         self._window = {"rollout": (0.0, 0), "reward": (0.0, 0)}
+        # tool calls: call id -> the node running it; nodes whose service is gone
+        self._tool_node: dict[int, int] = {}
+        self._tool_gone: set[int] = set()
+        self._nodes = max(1, comm.Get_size() // layout.ranks_per_node)
+        self._local = None  # node 0's sandbox service: this rank's own
+        if tools_enabled:
+            from pivot_hpc.runtime.host_tools import ToolServiceError, local_service
+
+            self._local = local_service()
+            if self._local is None:
+                raise ToolServiceError(
+                    "tools.enabled=true but the coordinator rank has no sandbox service: it "
+                    "is started before MPI by `pivot-hpc run`/`submit` (runtime/host_tools.py)"
+                )
+            self._local.wait_ready()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -143,10 +173,10 @@ class LiveCluster:
         partial = self._partial.pop((role, sample.sample_id), None)
         gen = list(partial.token_ids) if partial is not None else []
         lps = list(partial.logprobs) if partial is not None else []
-        prompt = pl.prompt_ids if role == "rollout" else pl.judge_ids
-        sampling = (
-            self.samples.rollout_sampling if role == "rollout" else self.samples.judge_sampling
-        )
+        if role == "rollout":  # a tool-calling trajectory's turn: the context so far
+            prompt, sampling = self.samples.rollout_turn(sample)
+        else:
+            prompt, sampling = pl.judge_ids, self.samples.judge_sampling
         self._where[(role, sample.sample_id)] = rank
         self._send(rank, msg.Start(sample.sample_id, prompt, gen, lps, sampling))
 
@@ -178,6 +208,31 @@ class LiveCluster:
         if ev in self._pending:
             self._pending.remove(ev)
         return ev
+
+    def call_tool(self, call: ToolCall) -> None:
+        load = dict.fromkeys(range(self._nodes), 0)
+        for node in self._tool_node.values():
+            load[node] += 1
+        usable = [n for n in load if n not in self._tool_gone] or list(load)
+        node = min(usable, key=lambda n: (load[n], n))
+        self._tool_node[call.call_id] = node
+        if node == 0 and self._local is not None:
+            self._local.submit(call)
+        else:
+            self._send(node * self.layout.ranks_per_node, call)
+
+    def _tool_result(self, result: ToolResult) -> None:
+        node = self._tool_node.pop(result.call_id, None)
+        if node is None:
+            raise WorkerFailed(f"a result for tool call {result.call_id}, which is not running")
+        if result.status == "unavailable":  # its service is gone or unhealthy: no more calls
+            self._tool_gone.add(node)
+        self._pending.append(ToolReturned(self.now(), result))
+
+    def _poll_local_tools(self) -> None:
+        if self._local is not None:
+            for result in self._local.poll():
+                self._tool_result(result)
 
     def update_weights(self, rid: str, version: int) -> None:
         self._send(self._leader(rid), msg.UpdateWeights(version))
@@ -227,9 +282,14 @@ class LiveCluster:
     def _count(self, role: str, n: int) -> None:
         self._tokens[role] += n
 
-    def stop(self, code: int = 0) -> None:
+    def stop(self, code: int = 0, tool_wait_s: float = 30.0) -> None:
         """End every other rank's loop (workers and the other nodes' host ranks); each
-        returns `code` as its exit status."""
+        returns `code` as its exit status. Tool calls other nodes still run are awaited
+        first (at most `tool_wait_s`): their host ranks answer before they stop."""
+        deadline = self.now() + tool_wait_s
+        while any(n != 0 for n in self._tool_node.values()) and self.now() < deadline:
+            self.poll(until=self.now() + 0.05)
+        self._pending = []
         for r in range(1, self.comm.Get_size()):
             self._send(r, msg.Stop(code))
         # A worker's events travel non-blocking: take (and drop) what each still sends,
@@ -298,6 +358,7 @@ class LiveCluster:
             while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=EVT, status=status):
                 src = status.Get_source()
                 self._convert(self.comm.recv(source=src, tag=EVT), src)
+            self._poll_local_tools()
             if self._pending or self.now() >= until:
                 out, self._pending = self._pending, []
                 self._delivered = [e for e in out if isinstance(e, SequenceFinished)]
@@ -313,6 +374,8 @@ class LiveCluster:
                 raise WorkerFailed(f"worker {text}")
             case msg.Ready(seconds):
                 self._ready[rank] = seconds
+            case ToolResult():
+                self._tool_result(event)
             case msg.Finished(results):
                 role = role_of(rid)
                 for res in results:

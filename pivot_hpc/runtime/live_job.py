@@ -56,13 +56,21 @@ class LiveBackend:
 
         data = cfg.rl.data
         if data.train == "synthetic":
-            self.pool = problems(4096, seed=data.synthetic_seed, max_digits=cfg.models.max_digits)
+            # the task the policy was warmed up on (models.operands: 3 for tiny-tools)
+            self.pool = problems(
+                4096,
+                seed=data.synthetic_seed,
+                max_digits=cfg.models.max_digits,
+                operands=cfg.models.operands,
+            )
         else:
             columns = Columns(data.prompt_key, data.answer_key)
             self.pool, report = usable_problems(data.train, "rl.data.train", columns)
             print(f"pivot-hpc: {report.summary()}", flush=True)
         tok = load_tokenizer(self.dirs[0])
-        self.live_samples = LiveSamples(self.pool, tok, cfg.rl, seed=data.synthetic_seed)
+        self.live_samples = LiveSamples(
+            self.pool, tok, cfg.rl, seed=data.synthetic_seed, tools=cfg.tools
+        )
         return self.live_samples, self.live_samples.reward
 
     def cluster(self, cfg: Config, topology, source):
@@ -70,7 +78,9 @@ class LiveBackend:
         from pivot_hpc.runtime.live_cluster import LiveCluster
 
         world = TrainingWorld.of(cfg, self.lay.rank_of_gpu)
-        return LiveCluster(self.comm, self.lay, topology, source, world)
+        return LiveCluster(
+            self.comm, self.lay, topology, source, world, tools_enabled=cfg.tools.enabled
+        )
 
     def restore(self, cluster, rl) -> dict[str, Any]:
         if self.resume is None:

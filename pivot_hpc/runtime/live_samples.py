@@ -3,6 +3,11 @@
 The rollout of a sample generates a response; its reward sequence is the GenRM prompt
 built from question + response (+ reference answer when configured); the final reward is
 R = w_v·R_verifiable (math-verify) + w_g·R_GenRM (parsed score), as in §8.1.
+
+With tools enabled the rollout is a trajectory of turns (`LiveTurns`, runtime/live_turns.py,
+driven by coordinator/turns.py): the verifiable reward reads the final answer (the last
+turn, after the last observation), the GenRM the rendered trajectory, and training gets
+the whole response with observation tokens masked out of the loss.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from pivot_hpc.agentic.config import ToolsConfig
+from pivot_hpc.agentic.trajectory import Trajectory as ToolTrajectory
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams, SeqResult
@@ -24,6 +31,7 @@ from pivot_hpc.rl.rewards import (
     overlong_penalty,
     verifiable_reward,
 )
+from pivot_hpc.runtime.live_turns import LiveTurns
 
 
 @dataclass(slots=True)
@@ -33,12 +41,21 @@ class LivePayload:
     response: SeqResult | None = None
     judge_ids: list[int] = field(default_factory=list)
     judgement: str = ""
+    traj: ToolTrajectory | None = None  # tools.enabled: the multi-turn trajectory
 
 
-class LiveSamples:
-    """A `SampleSource` over a problem list (data cursor order, deterministic for a seed)."""
+class LiveSamples(LiveTurns):
+    """A `SampleSource` over a problem list (data cursor order, deterministic for a seed);
+    with `tools` enabled also a `TurnSource` (LiveTurns)."""
 
-    def __init__(self, problems: list[Problem], tok, cfg: RLConfig, seed: int = 0) -> None:
+    def __init__(
+        self,
+        problems: list[Problem],
+        tok,
+        cfg: RLConfig,
+        seed: int = 0,
+        tools: ToolsConfig | None = None,
+    ) -> None:
         if not problems:
             raise ValueError("no training problems: check rl.data.train")
         self.problems = problems
@@ -57,11 +74,13 @@ class LiveSamples:
             max_tokens=cfg.reward.genrm_max_tokens,
             stop_token_ids=(tok.eos_token_id,),
         )
+        self.setup_turns(tools)
 
     def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample:
         p = self.problems[self.order[prompt_index % len(self.order)]]
         ids = encode_prompt(self.tok, p.prompt, p.messages)
-        return Sample(sample_id, step, prompt_index, group, len(ids), LivePayload(p, ids))
+        payload = LivePayload(p, ids, traj=self.new_trajectory(sample_id, ids))
+        return Sample(sample_id, step, prompt_index, group, len(ids), payload)
 
     def text(self, ids: list[int]) -> str:
         return decode_response(self.tok, ids)
@@ -69,6 +88,8 @@ class LiveSamples:
     def on_rollout(self, s: Sample, generated: int, result: Any) -> int:
         """Keep the response; build the GenRM prompt; return the reward context length."""
         pl: LivePayload = s.payload
+        if pl.traj is not None:  # the whole trajectory, observations included
+            result = self.trajectory_result(s)
         pl.response = result
         p = pl.problem
         ref = p.answer if self.cfg.reward.genrm_reference else None
@@ -80,10 +101,12 @@ class LiveSamples:
         pl: LivePayload = s.payload
         pl.judgement = self.text(result.token_ids)
         rc = self.cfg.reward
-        rv = verifiable_reward(self.text(pl.response.token_ids), pl.problem.answer, rc)
+        rv = verifiable_reward(self.text(self.answer_ids(pl)), pl.problem.answer, rc)
         (rg,) = genrm_rewards([pl.judgement], rc, self.genrm_stats)
-        # DAPO's overlong shaping rides on the verifiable part (0 when off)
-        shaped = overlong_penalty(len(pl.response.token_ids), self.cfg.max_response_tokens, rc)
+        # DAPO's overlong shaping rides on the verifiable part (0 when off); a trajectory
+        # counts the tokens the policy generated, not the tools'
+        generated = len(pl.response.token_ids) if pl.traj is None else sum(pl.traj.loss_mask())
+        shaped = overlong_penalty(generated, self.cfg.max_response_tokens, rc)
         return rc.verifiable_weight * rv + shaped, rc.genrm_weight * rg
 
     def batch(self, samples: list[Sample]) -> TrainBatch:
@@ -99,6 +122,7 @@ class LiveSamples:
                     logprobs=s.payload.response.logprobs,
                     version=s.payload.response.version,
                     truncated=s.payload.response.finish_reason == "length",
+                    loss_mask=None if s.payload.traj is None else s.payload.traj.loss_mask(),
                 )
                 for s in samples
             ],

@@ -432,24 +432,9 @@ class Worker:
 
 
 def shard(batch, d: int, dp: int):
-    """Rows d, d+dp, d+2dp, … of a TrainBatch (data-parallel rank d of dp)."""
-    import dataclasses
-
-    rows = range(d, len(batch), dp)
-
-    def pick(xs):
-        return None if xs is None else [xs[i] for i in rows]
-
-    return dataclasses.replace(
-        batch,
-        prompt_ids=pick(batch.prompt_ids),
-        response_ids=pick(batch.response_ids),
-        advantages=pick(batch.advantages) or [],
-        old_logprobs=pick(batch.old_logprobs),
-        ref_logprobs=pick(batch.ref_logprobs),
-        versions=pick(batch.versions),
-        truncated=pick(batch.truncated),
-    )
+    """Rows d, d+dp, d+2dp, … of a TrainBatch (data-parallel rank d of dp), every
+    per-sequence field (the loss mask too) picked alike (`TrainBatch.rows`)."""
+    return batch.rows(range(d, len(batch), dp))
 
 
 def _tp1():

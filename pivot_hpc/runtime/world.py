@@ -85,10 +85,10 @@ def check_before_launch(cfg: Config) -> None:
     check_tools(cfg)
 
 
-# What the live runtime lacks before `tools.enabled` can run (docs/agentic.md); the
-# sandbox service on each node's host rank is wired (runtime/host_tools.py). Empty once
-# the turn loop lands: then only the preflight remains.
-TOOLS_MISSING = "the coordinator's multi-turn loop (turns, parked trajectories)"
+# What the live runtime lacks before `tools.enabled` can run (docs/agentic.md): nothing
+# since the coordinator's turn loop (coordinator/turns.py) landed; only the preflight is
+# left. A later gap is named here and refused in one line.
+TOOLS_MISSING = ""
 
 
 def check_tools(cfg: Config) -> None:

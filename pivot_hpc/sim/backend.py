@@ -113,6 +113,7 @@ class SimBackend:
             seed=cfg.sim.seed,
             failures=cfg.sim.failures,
             gpus=cfg.cluster.total_gpus,
+            tool_latency=source.tool_latency,
         )
 
     def restore(self, cluster, rl) -> dict[str, Any]:

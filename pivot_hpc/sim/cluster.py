@@ -31,6 +31,11 @@ again), answers the coordinator's aborts with them, and takes sequences dispatch
 before the death is heard with the tokens they came with. The coordinator's `on_failure`
 then recovers it as it does live; a restart's shift-up takes `restart_s` more.
 
+Tool calls (tools.enabled, coordinator/turns.py) take a latency the workload draws
+(`tool_latency`, `sim.workload.tool_latency_s`) and use no GPU: a parked trajectory holds
+nothing on any replica. A turn's sequence starts from its context so far (`Sample.
+turn_context`) and generates that turn's share of the response (`SimPayload.turn_lens`).
+
 Events are ordered by (time, kind, id) with lazy invalidation (a replica's pending finish
 event is dropped if its membership changed since), so a run is deterministic for a seed.
 """
@@ -40,15 +45,17 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pivot_hpc.agentic.messages import ToolCall, ToolResult
 from pivot_hpc.coordinator.events import (
     ReplicaFailed,
     SequenceFinished,
     ShiftDone,
+    ToolReturned,
     TrainingDone,
     WeightsUpdated,
 )
@@ -60,7 +67,7 @@ from pivot_hpc.sim.config import FailureConfig
 from pivot_hpc.sim.failures import REFRESH_S, DeathClock
 
 # event kinds, in tie-breaking order (a death last: what finished at its instant is kept)
-FINISH, SHIFT, WEIGHTS, TRAIN, DEATH = 0, 1, 2, 3, 4
+FINISH, SHIFT, WEIGHTS, TRAIN, DEATH, TOOL = 0, 1, 2, 3, 4, 5
 RETRACT_HEADROOM = 20  # tokens per remaining sequence after a retraction (SGLang: 20 steps)
 
 
@@ -145,13 +152,17 @@ class SimCluster:
         seed: int = 0,
         failures: FailureConfig | None = None,
         gpus: int = 0,
+        tool_latency: Callable[[ToolCall], float] | None = None,
     ) -> None:
         """`late_finish_share`: the fraction of aborted running sequences that finish just
         before their abort arrives (a live engine's race; 0 = never). Tests set it so the
         coordinator's late-abort path runs deterministically (seeded by `seed`).
         `failures`: engine deaths on the cluster's `gpus` GPUs (None or an MTBF of 0:
-        none; seeded by `seed`)."""
+        none; seeded by `seed`). `tool_latency`: seconds a tool call takes (the
+        workload's draw; None: calls are refused)."""
         self.inference = inference
+        self.tool_latency = tool_latency
+        self.tool_calls = 0  # calls made (all answered unless the run ended first)
         self.late_finish_share = late_finish_share
         self._late = random.Random(seed) if late_finish_share > 0 else None
         self._held: dict[tuple[str, int], SequenceFinished] = {}
@@ -325,9 +336,18 @@ class SimCluster:
         r = self._replicas[rid]
         self._advance(r)
         key = (role, sample.sample_id)
-        target = sample.payload.response_len if role == "rollout" else sample.payload.judgement_len
+        payload = sample.payload
+        if role == "reward":
+            target = payload.judgement_len
+        elif payload.turn_lens:  # a tool-calling trajectory: this turn's share
+            target = payload.turn_lens[sample.turn]
+        else:
+            target = payload.response_len
         done = self._progress.pop(key, 0.0)
-        context = sample.prompt_len + (sample.response_len if role == "reward" else 0) + done
+        if role == "reward":
+            context = sample.prompt_len + sample.response_len + done
+        else:
+            context = sample.turn_context + done
         self._targets[key] = (target, sample.payload)
         if r.dead is not None:  # sent before its death was heard: kept as it came
             r.dead[sample.sample_id] = (context, done)
@@ -430,6 +450,14 @@ class SimCluster:
 
     def step_stats(self, role: str) -> list[tuple[float, int, int]]:
         return []  # the simulated engine follows its model: nothing to refit
+
+    def call_tool(self, call: ToolCall) -> None:
+        if self.tool_latency is None:
+            raise RuntimeError("a tool call, but this SimCluster has no tool_latency")
+        seconds = max(0.0, float(self.tool_latency(call)))
+        self.tool_calls += 1
+        result = ToolResult(call.call_id, "ok", "0", seconds)
+        self._push(self.t + seconds, TOOL, "", call.call_id, result)
 
     def take_finished(self, role: str, seq_id: int) -> SequenceFinished:
         return self._held.pop((role, seq_id))
@@ -545,6 +573,8 @@ class SimCluster:
             return [ShiftDone(self.t, key, direction, phases)]
         if kind == WEIGHTS:
             return [WeightsUpdated(self.t, key, int(payload))]
+        if kind == TOOL:
+            return [ToolReturned(self.t, payload)]
         if kind == DEATH:
             if stamp >= 0:  # the clock's: on GPU `stamp`, whatever it serves then
                 self._push_death(self.t)

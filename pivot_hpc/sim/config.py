@@ -46,6 +46,14 @@ class WorkloadConfig:
     accuracy_start: float = 0.3  # synthetic reward curve: P(correct) at step 0 …
     accuracy_end: float = 0.6  # … approached over …
     accuracy_steps: float = 20.0  # … this many steps (exponential)
+    # Tool-calling rollouts (tools.enabled; ignored otherwise): each trajectory makes
+    # floor(m) or ceil(m) calls (mean m = tool_calls_mean, at most tools.max_turns − 1); its
+    # response is split evenly into one turn per call plus the answer, and each call's
+    # observation adds tool_output_tokens (at most tools.max_tool_output_tokens)
+    tool_calls_mean: float = 0.0  # mean tool calls per trajectory
+    tool_latency_s: float = 1.0  # median seconds a call takes (its trajectory is parked)
+    tool_latency_sigma: float = 0.5  # log-normal sigma of call latencies
+    tool_output_tokens: int = 16  # tokens of one observation
 
     # Keys that moved to the live vocabulary (issue 34): deprecated aliases, read there.
     MOVED_KEYS: ClassVar[dict[str, Moved]] = {
@@ -63,6 +71,9 @@ class WorkloadConfig:
             "judgement_base",
             "judgement_per_response_token",
             "judgement_sigma",
+            "tool_calls_mean",
+            "tool_latency_s",
+            "tool_latency_sigma",
         ):
             v = getattr(self, key)
             if not math.isfinite(v) or v < 0:
@@ -77,6 +88,8 @@ class WorkloadConfig:
                 fail(f"{path}.{key}", v, "must be a probability in [0, 1]")
         if not (math.isfinite(self.accuracy_steps) and self.accuracy_steps > 0):
             fail(f"{path}.accuracy_steps", self.accuracy_steps, "must be > 0")
+        if self.tool_output_tokens < 1:
+            fail(f"{path}.tool_output_tokens", self.tool_output_tokens, "must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -86,6 +99,11 @@ class Workload(WorkloadConfig):
 
     response_cap: int  # max response tokens (rl.max_response_tokens)
     judgement_cap: int  # max GenRM tokens (rl.reward.genrm_max_tokens)
+    # tools.enabled: tools.max_turns − 1 (the calls a trajectory may make), else 0; the tool
+    # called (the first of tools.tools); observations cut at tools.max_tool_output_tokens
+    max_tool_calls: int = 0
+    tool: str = ""
+    tool_output_cap: int = 64
 
 
 @dataclass(kw_only=True)

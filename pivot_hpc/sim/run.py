@@ -122,8 +122,22 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "engines_excluded": sorted(logs.excluded),
         "sequences_recovered": logs.sequences_recovered,
         "tokens_regenerated": logs.tokens_regenerated,
+        # tool-calling rollouts (tools.enabled): the same keys as `pivot-hpc report`
+        **tool_summary(coord),
         "staleness_max": max(logs.staleness, default=0),
         "reward_mean_first": logs.rewards[0] if logs.rewards else None,
         "reward_mean_last": logs.rewards[-1] if logs.rewards else None,
         "wall_s": round(wall, 3),
+    }
+
+
+def tool_summary(coord: Coordinator) -> dict[str, Any]:
+    """Tool calls answered, the share of trained trajectories with at least one, and the
+    mean seconds a trajectory waited on a call (None: no tools, or none called)."""
+    turns = coord.turns
+    n = len(coord.stats.staleness)  # one entry per trained sample
+    return {
+        "tool_calls": turns.stats.results if turns is not None else 0,
+        "tool_call_trajectory_share": coord.stats.trained_with_calls / n if n else None,
+        "tool_wait_s_mean": turns.stats.wait_s_mean if turns is not None else None,
     }

@@ -84,6 +84,9 @@ def sim_settings(cfg: Config) -> SimSettings:
         **{f.name: getattr(w, f.name) for f in fields(w)},
         response_cap=cfg.rl.max_response_tokens,
         judgement_cap=cfg.rl.reward.genrm_max_tokens,
+        max_tool_calls=cfg.tools.max_turns - 1 if cfg.tools.enabled else 0,
+        tool=cfg.tools.tools[0] if cfg.tools.tools else "",
+        tool_output_cap=cfg.tools.max_tool_output_tokens,
     )
     return SimSettings(
         hardware=cfg.cluster.gpu or DEFAULT_GPU,

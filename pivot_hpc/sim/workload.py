@@ -7,6 +7,12 @@ run's rl.max_response_tokens and rl.reward.genrm_max_tokens). Rewards are synthe
 correct with probability p(step) = p0 + (p1 − p0)·(1 − e^(−step/τ)), the GenRM score
 agrees with correctness 80 % of the time — enough for reward curves in the traces; the
 simulator's purpose is throughput, not learning.
+
+With tools enabled (`sim.workload.tool_*`), a sample is a trajectory of turns: its response
+is split evenly into one turn per tool call plus the answer, each call parks it for a
+log-normal latency (drawn by `tool_latency`, which the SimCluster asks), and each
+observation adds `tool_output_tokens`. The coordinator's turn loop (coordinator/turns.py)
+drives it exactly as it drives live trajectories.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pivot_hpc.agentic.messages import ToolCall, ToolResult
 from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.coordinator.turns import Turn
 from pivot_hpc.sim.config import Workload
 
 
@@ -24,6 +32,8 @@ class SimPayload:
     judgement_len: int
     correct: bool
     genrm_score: float
+    # tools: generated tokens of each turn (one per call, then the answer); () = one turn
+    turn_lens: tuple[int, ...] = ()
 
 
 _MASK = (1 << 64) - 1
@@ -91,11 +101,55 @@ class SimWorkload:
             ),
             correct=correct,
             genrm_score=float(correct == agree),
+            turn_lens=self._turns(sample_id, response_len),
         )
         return Sample(sample_id, step, prompt_index, group, prompt_len, payload)
 
+    def _turns(self, sample_id: int, response_len: int) -> tuple[int, ...]:
+        """The response split into turns: one per tool call, then the answer (() without
+        calls). A stream of its own, so tools leave every other draw as it was."""
+        c = self.cfg
+        if c.max_tool_calls < 1 or c.tool_calls_mean <= 0:
+            return ()
+        rng = _Stream(self.seed, 2, sample_id)
+        whole = math.floor(c.tool_calls_mean)
+        calls = whole + (rng.random() < c.tool_calls_mean - whole)
+        calls = min(calls, c.max_tool_calls, response_len - 1)
+        if calls < 1:
+            return ()
+        base, extra = divmod(response_len, calls + 1)
+        return tuple(base + (i < extra) for i in range(calls + 1))
+
     def on_rollout(self, sample: Sample, generated: int, result: object) -> int:
         return sample.prompt_len + generated  # the GenRM reads prompt + response
+
+    # ------------------------------------------------- turns (coordinator/turns.py)
+    def turn(self, s: Sample, generated: int, result: object, call_id: int) -> Turn:
+        turns = s.payload.turn_lens
+        if s.turn >= len(turns):  # the answer (or a one-turn trajectory)
+            return Turn("done")
+        return Turn("call", tool=self.cfg.tool, args_json="{}")
+
+    def observe(self, s: Sample, result: ToolResult) -> int | None:
+        return s.prompt_len + self.response_len(s)
+
+    def response_len(self, s: Sample) -> int:
+        """Turns generated so far and the observations after all but the answer."""
+        turns = s.payload.turn_lens
+        if not turns:
+            return s.payload.response_len
+        obs = min(s.turn, len(turns) - 1) * self.observation_len
+        return sum(turns[: s.turn]) + obs
+
+    @property
+    def observation_len(self) -> int:
+        return min(self.cfg.tool_output_tokens, self.cfg.tool_output_cap)
+
+    def tool_latency(self, call: ToolCall) -> float:
+        """Seconds call `call` takes (log-normal; deterministic for the seed and call)."""
+        rng = _Stream(self.seed, 3, call.call_id)
+        c = self.cfg
+        return c.tool_latency_s * math.exp(c.tool_latency_sigma * rng.normal())
 
 
 def sim_rewarder(sample: Sample, result: object) -> tuple[float, float]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# 2: + `trained`, `checkpoints`, `evals`; 3: + steps' `made_*_tokens`; 4: + `failures`
-SCHEMA_VERSION = 4
+# 2: + `trained`, `checkpoints`, `evals`; 3: + steps' `made_*_tokens`; 4: + `failures`;
+# 5: + `tool_calls`, trained's `tool_calls`, throughput's `n_parked`
+SCHEMA_VERSION = 5
 
 # Fixed-length byte strings keep the datasets readable by plain h5py/numpy (no vlen types).
 ROLE = "S16"
@@ -29,6 +30,12 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
         ("n_tok", "i8", "tokens", "tokens held in the KV caches of the role's replicas"),
         ("tokens_per_s", "f8", "tokens/s", "measured generation throughput of the role"),
         ("est_tokens_per_s", "f8", "tokens/s", "throughput model's estimate (§6.1)"),
+        (
+            "n_parked",
+            "i8",
+            "trajectories",
+            "rollout: parked on a tool call, not in n_seq (reward: 0)",
+        ),
     ],
     "allocation": [
         ("t", "f8", "s", "time since run start; holds until the next row"),
@@ -114,6 +121,7 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
         ("version_start", "i8", "", "policy version its rollout started with"),
         ("response_tokens", "i8", "tokens", "response length"),
         ("reward", "f8", "", "total reward R"),
+        ("tool_calls", "i8", "calls", "tool calls its trajectory made (0: none, or no tools)"),
     ],
     "checkpoints": [
         ("t", "f8", "s", "time the checkpoint was complete"),
@@ -151,13 +159,30 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
         ("tokens_lost", "i8", "tokens", "decoded after the last refresh: generated again"),
         ("cause", "S200", "", "the process's exit as the worker saw it"),
     ],
+    "tool_calls": [
+        ("t", "f8", "s", "time the coordinator had the call's result"),
+        ("sample_id", "i8", "", "the trajectory (sample) that made the call"),
+        ("call_id", "i8", "", "the call's id (unique within an allocation)"),
+        ("turn", "i4", "turns", "generation turns of the trajectory before the call's result"),
+        ("tool", ROLE, "", "the tool called"),
+        (
+            "status",
+            ROLE,
+            "",
+            "'ok', 'error', 'timeout', 'memory', 'output_limit', 'crash', 'unavailable'",
+        ),
+        ("wait_s", "f8", "s", "from the call's issue to its result: the trajectory's parked time"),
+        ("tool_s", "f8", "s", "of which: the call's run in the sandbox (simulated: its latency)"),
+    ],
 }
 # Datasets added after schema version 1: a file of an older version reads them as empty.
-ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2, "failures": 4}
+ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2, "failures": 4, "tool_calls": 5}
 # Optional fields: a writer may leave them out and a file of an older version lacks them;
 # both read as this value.
 OPTIONAL: dict[str, dict[str, float]] = {
-    "steps": {"made_rollout_tokens": float("nan"), "made_reward_tokens": float("nan")}
+    "steps": {"made_rollout_tokens": float("nan"), "made_reward_tokens": float("nan")},
+    "trained": {"tool_calls": 0},
+    "throughput": {"n_parked": 0},
 }
 
 DATASETS: tuple[str, ...] = tuple(FIELDS)

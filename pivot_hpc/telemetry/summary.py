@@ -363,8 +363,21 @@ def summarise(run: Run) -> dict[str, Any]:
         "migration_sequences": int(run["migrations"]["sequences"].sum()),
         "migration_per_seq": mig,
         **failure_counts(run["failures"]),
+        **tool_counts(run["tool_calls"], run["trained"]),
     }
     return _json_safe(out)
+
+
+def tool_counts(calls: np.ndarray, trained: np.ndarray) -> dict[str, Any]:
+    """Tool calls answered, the share of trained trajectories that made at least one,
+    and the mean seconds a trajectory waited (parked) on a call (None without any)."""
+    return {
+        "tool_calls": len(calls),
+        "tool_call_trajectory_share": float((trained["tool_calls"] > 0).mean())
+        if len(trained)
+        else None,
+        "tool_wait_s_mean": float(calls["wait_s"].mean()) if len(calls) else None,
+    }
 
 
 def failure_counts(failures: np.ndarray) -> dict[str, Any]:
@@ -429,6 +442,12 @@ def format_summary(s: dict[str, Any]) -> str:
         f"migration  {s['migration_events']} events, {s['migration_sequences']} sequences, "
         f"{_num(s['migration_per_seq']['total']['mean'], '{:.3f}')} s per sequence",
     ]
+    if s.get("tool_calls"):
+        lines.append(
+            f"tools      {s['tool_calls']} calls   "
+            f"{_num(s['tool_call_trajectory_share'], '{:.1%}')} of trained trajectories called   "
+            f"mean wait {_num(s['tool_wait_s_mean'], '{:.3f}')} s"
+        )
     if s.get("engine_failures"):
         excluded = ", ".join(s["engines_excluded"]) or "none"
         lines.append(

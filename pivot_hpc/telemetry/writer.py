@@ -183,6 +183,9 @@ class TelemetryWriter:
     def evaluation(self, t: float, /, **fields: Any) -> None:
         self._append("evals", t=t, **fields)
 
+    def tool_call(self, t: float, /, **fields: Any) -> None:
+        self._append("tool_calls", t=t, **fields)
+
     def _append(self, name: str, **fields: Any) -> None:
         names = DTYPES[name].names
         fields = OPTIONAL.get(name, {}) | fields

@@ -136,6 +136,7 @@ def main() -> None:
     res["custom_kwargs"] = custom_loss.CALLS[0]
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         res[f"agg_{mode}"] = grpo_engine(loss_agg_mode=mode).train_step(batch)["pg_loss"]
+    res.update(loss_mask_checks(arch, tp, canonical, hf, prompts, responses, lps))
     m1 = e.train_step(batch)
     m2 = e.train_step(batch, loss="sft")
     res["grpo_metrics"] = m1
@@ -192,6 +193,96 @@ def main() -> None:
 
     dist.barrier()
     dist.destroy_process_group()
+
+
+def loss_mask_checks(arch, tp, canonical, hf, prompts, responses, lps) -> dict:
+    """Multi-turn loss mask (issue 37) on the Megatron path: the gradient equals the GRPO
+    reference's (HF logprobs → rl/grpo.ppo_clip_loss over the generated tokens), the
+    observations' placeholder logprobs change nothing, an all-ones mask is no mask."""
+    import torch
+
+    from pivot_hpc.engines.base import TrainBatch
+    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.rl.config import GRPOConfig, TrainerConfig
+    from pivot_hpc.rl.grpo import ppo_clip_loss
+
+    # masked middle segments in sequences 0 and 2: 13 of the 20 response tokens in the loss
+    mask = [[1, 1, 0, 0, 0, 1], [1, 1], [1, 0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1]]
+    adv = [1.0, -0.5, 0.3, -0.8]
+    # off-policy enough that the clip is active somewhere: ratio != 1
+    old = [[x + 0.15 * (-1) ** t for t, x in enumerate(lp)] for lp in lps]
+    ref = [[x - 0.3 for x in lp] for lp in lps]
+
+    def placeholders(rows, v):
+        return [
+            [v if k == 0 else x for x, k in zip(r, m, strict=True)]
+            for r, m in zip(rows, mask, strict=True)
+        ]
+
+    def batch(loss_mask, v=None):
+        # v: the rollout's placeholder at the observation tokens of `mask`
+        o, r = (old, ref) if v is None else (placeholders(old, v), placeholders(ref, v))
+        return TrainBatch(
+            prompt_ids=prompts,
+            response_ids=responses,
+            advantages=adv,
+            old_logprobs=o,
+            ref_logprobs=r,
+            loss_mask=loss_mask,
+        )
+
+    def step(b):
+        eng = MegatronTrainEngine(
+            arch,
+            TrainerConfig(tp=tp, lr=1e-3, grad_clip=0.0, micro_batch_size=3),
+            GRPOConfig(kl_coef=0.1),
+            max_response_tokens=8,
+        )
+        eng.load_weights(canonical)
+        metrics = eng.train_step(b)
+        grads = eng._canonical({n: p.main_grad.view_as(p) for n, p in eng.gpt.named_parameters()})
+        return eng, metrics, grads
+
+    out: dict = {}
+    e0, m0, g0 = step(batch(mask, v=0.0))
+    e1, _, g1 = step(batch(mask, v=-1.0e4))  # exp overflows there: must stay out
+    out["mask_placeholder_bitwise"] = all(
+        torch.equal(a, b) for a, b in zip(e0.params, e1.params, strict=True)
+    ) and all(torch.equal(g0[k], g1[k]) for k in g0)
+    ones = [[1] * len(r) for r in responses]
+    e2, _, _ = step(batch(None))
+    e3, _, _ = step(batch(ones))
+    out["mask_ones_bitwise"] = all(
+        torch.equal(a, b) for a, b in zip(e2.params, e3.params, strict=True)
+    )
+    # the reference: HF model, same weights, the loss summed over sequences / 13 tokens
+    model = hf.__class__(hf.config)
+    model.load_state_dict(canonical)
+    model.zero_grad()
+    n_tok = sum(map(sum, mask))
+    pg = kl = 0.0
+    for p, r, m, a, o, rf in zip(prompts, responses, mask, adv, old, ref, strict=True):
+        lp = torch.log_softmax(model(torch.tensor([p + r])).logits[0].float(), -1)
+        lp = lp[len(p) - 1 : len(p) + len(r) - 1].gather(1, torch.tensor(r)[:, None])[:, 0]
+        value, parts = ppo_clip_loss(
+            lp[None],
+            torch.tensor([o]),
+            torch.tensor([a]),
+            torch.tensor([m], dtype=torch.float32),
+            kl_coef=0.1,
+            ref_logprobs=torch.tensor([rf]),
+            normalizer=n_tok,
+        )
+        value.backward()
+        pg += float(parts["pg_loss_sum"])
+        kl += float(parts["kl_sum"])
+    want = {n: t.grad for n, t in model.named_parameters()}
+    scale = max(float(w.abs().max()) for w in want.values())
+    out["mask_grad_max_diff"] = max(float((g0[n] - want[n]).abs().max()) for n in want) / scale
+    out["mask_tokens"] = [m0["tokens"], float(n_tok)]
+    out["mask_pg_loss"] = [m0["pg_loss"], pg / n_tok]
+    out["mask_kl"] = [m0["kl"], kl / n_tok]
+    return out
 
 
 if __name__ == "__main__":

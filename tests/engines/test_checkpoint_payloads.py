@@ -25,6 +25,10 @@ WORKER = Path(__file__).with_name("ckpt_payload_worker.py")
 TINY = str(REPO / "configs" / "tiny.yaml")
 NAMES = sorted(payloads("x"))
 
+# Every test needs `genuine`, a megatron-core checkpoint saved by a worker process (10-15 s):
+# the full suite (CI) runs them; tests/unit/test_checkpoint_store.py is the fast tier's.
+pytestmark = pytest.mark.slow
+
 
 def _worker(*args: str, timeout: float = 240) -> None:
     with socket.socket() as s:

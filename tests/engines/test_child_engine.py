@@ -61,6 +61,7 @@ def test_a_dead_engine_is_one_error_naming_it(child) -> None:
         child.step()
 
 
+@pytest.mark.slow  # a second engine process (the module's is shared)
 def test_no_mpi_environment_reaches_the_child(hf_model_dir, monkeypatch) -> None:
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
     eng = ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"})

@@ -140,7 +140,14 @@ def fresh_vllm_adapter(base):
     )
 
 
-@pytest.fixture(params=["hf", "sglang", "vllm", "vllm-child"])
+@pytest.fixture(
+    params=[
+        "hf",
+        "sglang",
+        pytest.param("vllm", marks=pytest.mark.slow),  # import and start of vLLM: 10-25 s
+        pytest.param("vllm-child", marks=pytest.mark.slow),
+    ]
+)
 def h(request, tiny_model, tmp_path):
     if request.param == "vllm-child":
         child, state = request.getfixturevalue("vllm_child")
@@ -204,6 +211,7 @@ def test_abort_keeps_tokens_and_resume_continues(h):
     assert out[0].token_ids == out[1].token_ids and out[0].finish_reason == "length"
 
 
+@pytest.mark.slow  # [sglang]: produce() runs its 5000-step cap (~10 s, asleep)
 def test_snapshot_leaves_sequences_alone_and_is_a_prefix(h):
     e = h.engine
     for i in range(2):

@@ -16,6 +16,10 @@ from pivot_hpc.runtime.engine_guard import GuardedEngine
 from .test_child_engine import ARGS, greedy
 from .test_engine_conformance import PROMPTS
 
+# each test starts its own engine process and some wait out a watchdog (~60 s on 2 cores):
+# out of the fast tier; tests/engines/test_child_engine.py keeps one engine process there
+pytestmark = pytest.mark.slow
+
 
 def wait_gone(pid: int) -> None:
     end = time.monotonic() + 10

@@ -116,6 +116,13 @@ def test_megatron_engine(which, request):
     assert mis["is_masked_frac"] == 1.0 and mis["tokens"] == 1.0  # (0 tokens: floor 1)
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         assert math.isfinite(res[f"agg_{mode}"])
+    # multi-turn loss mask (issue 37): the gradient is the GRPO reference's over the
+    # generated tokens; observation placeholders change nothing; all ones is no mask
+    assert res["mask_placeholder_bitwise"] and res["mask_ones_bitwise"]
+    assert res["mask_grad_max_diff"] <= 1e-4
+    assert res["mask_tokens"][0] == res["mask_tokens"][1] == 13
+    assert res["mask_pg_loss"][0] == pytest.approx(res["mask_pg_loss"][1], rel=1e-4, abs=1e-6)
+    assert res["mask_kl"][0] == pytest.approx(res["mask_kl"][1], rel=1e-4, abs=1e-7)
 
 
 def test_megatron_checkpoint_metadata_loads_through_the_allow_list(tp1):

@@ -66,6 +66,7 @@ def test_profile_cli_writes_loadable_constants(tmp_path, capsys):
     assert cfg.rollout.throughput.A != cfg.reward.throughput.A or out["A"] == 1e-8
 
 
+@pytest.mark.slow  # a benchmark, and vLLM's import when it is the first to need it
 def test_bench_engine_json(capsys):
     rc = main(
         ["bench", "engine", "--json", "--batch-sizes", "1,64", "--new-tokens", "8", "--repeat", "1"]

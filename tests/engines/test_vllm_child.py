@@ -71,6 +71,7 @@ def child(tmp_path_factory, rank_log):
     eng.close()
 
 
+@pytest.mark.slow  # the module's vLLM child: 10-15 s to start
 def test_the_default_for_vllm_is_a_child_with_its_own_environment(child, rank_log):
     assert isinstance(child, ChildEngine) and isinstance(child, InferenceEngine)
     assert child.info["kv_capacity"] == 2048 and child.weights_device == "cpu"
@@ -86,6 +87,7 @@ def test_the_default_for_vllm_is_a_child_with_its_own_environment(child, rank_lo
     assert sorted(out) == [0, 1, 2, 3] and all(len(r.token_ids) == 8 for r in out.values())
 
 
+@pytest.mark.slow  # the module's vLLM child
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
 def test_the_jobs_stop_signals_do_not_reach_the_engine(child, sig):
     """What Slurm sends every process of a step: the vLLM child goes on generating."""
@@ -107,6 +109,7 @@ def test_a_bad_model_directory_is_one_line_before_vllm_is_imported(tmp_path):
     print(f"refused in {time.monotonic() - t0:.1f}s")
 
 
+@pytest.mark.slow  # the module's vLLM child: 10-15 s to start
 def test_a_killed_child_is_one_error_within_seconds_not_a_hang(child):
     """SIGKILL while the rank drives generation: the next (or the blocked) call raises
     EngineProcessError naming the signal, within a few seconds."""

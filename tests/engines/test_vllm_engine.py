@@ -78,6 +78,7 @@ def hf_model(model_dir):
     return load_model(model_dir)[0]
 
 
+@pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s
 def test_factory_wires_every_key_and_leaves_the_process_alone(started):
     eng, (threads, rng_untouched) = started
     vc = eng.engine.vllm_config
@@ -95,6 +96,7 @@ def test_factory_wires_every_key_and_leaves_the_process_alone(started):
     torch.set_num_threads(1)
 
 
+@pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s
 def test_greedy_tokens_and_logprobs_match_the_hf_engine(e, hf_model):
     ref = generate_all(HFEngine(hf_model, kv_capacity_tokens=KV), PROMPTS, greedy(12))
     for i, p in enumerate(PROMPTS):
@@ -105,6 +107,7 @@ def test_greedy_tokens_and_logprobs_match_the_hf_engine(e, hf_model):
         assert out[i].logprobs == pytest.approx(r.logprobs, abs=1e-4)
 
 
+@pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s
 def test_sampled_logprobs_are_log_softmax_at_the_temperature(e, hf_model):
     e.add(0, PROMPTS[1], sampling=SamplingParams(temperature=0.7, max_tokens=10, ignore_eos=True))
     r = drain(e)[0]
@@ -115,6 +118,7 @@ def test_sampled_logprobs_are_log_softmax_at_the_temperature(e, hf_model):
     assert r.logprobs == pytest.approx(want[:, 0].tolist(), abs=1e-4)
 
 
+@pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s
 def test_stop_tokens_and_eos_end_a_sequence_and_are_kept(e):
     e.add(0, PROMPTS[0], sampling=greedy(6))
     first = drain(e)[0].token_ids
@@ -132,6 +136,7 @@ def test_stop_tokens_and_eos_end_a_sequence_and_are_kept(e):
         e.add(3, PROMPTS[0], sampling=SamplingParams(stop=("x",)))
 
 
+@pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s
 def test_weights_update_in_place_while_sequences_run(e, model_dir):
     from safetensors.torch import load_file
 
@@ -159,6 +164,7 @@ def test_weights_update_in_place_while_sequences_run(e, model_dir):
         e.load_weights(original, 0)
 
 
+@pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s
 def test_the_kv_capacity_bounds_the_batch_and_vllm_preempts_to_fit(e, hf_model):
     prompts = [[5 + i] * 60 for i in range(8)]  # 8 × (60 + 40) tokens in 512
     ref = generate_all(HFEngine(hf_model, kv_capacity_tokens=4096), prompts, greedy(40))
@@ -178,6 +184,7 @@ def test_the_kv_capacity_bounds_the_batch_and_vllm_preempts_to_fit(e, hf_model):
         assert out[i].token_ids == r.token_ids  # recompute after a preemption loses nothing
 
 
+@pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s
 def test_a_model_vllm_cannot_run_is_one_line_naming_the_directory(started, tmp_path):
     require_vllm()
     bad = vllm_model_dir(tmp_path / "head16", num_heads=4, num_kv_heads=2)  # head size 16
@@ -242,6 +249,7 @@ def test_live_runs_refuse_what_in_process_vllm_cannot_do_before_launch(monkeypat
         InferenceEngineConfig(engine="vllm", vllm_args={"max_model_len": 9}).validate("x")
 
 
+@pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s
 def test_profile_fits_the_throughput_model_on_vllm(started, tmp_path, capsys):
     from pivot_hpc.cli.main import main
     from pivot_hpc.engines.profile import load_profile

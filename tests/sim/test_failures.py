@@ -183,6 +183,7 @@ def test_bad_failure_settings_are_refused(key: str, value: str) -> None:
         load_config(None, [f"sim.failures.{key}={value}"])
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_failures_json(tmp_path: Path, capsys) -> None:
     tree: dict = {}
     for item in TINY:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from pivot_hpc.bench.paper_bench import FIGURE9
 from pivot_hpc.cli.main import main
 
 
+@pytest.mark.slow  # a benchmark (1.5-3 s)
 def test_bench_paper_quick_json_keys(capsys) -> None:
     rc = main(["bench", "paper", "--quick", "--groups", "1", "--scales", "0.5,1", "--json"])
     assert rc == 0

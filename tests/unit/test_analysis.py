@@ -105,6 +105,7 @@ def test_script_errors_are_one_line(
     assert code == 0 and "Total (ms)" in out and "120.000 ±48.990" in out
 
 
+@pytest.mark.slow  # a figure (about 1 s)
 def test_timeline(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "fig10.png"
     res = script("timeline.py", runs["pivot_a"], "--out", out, "--estimated")
@@ -112,6 +113,7 @@ def test_timeline(runs: dict[str, Path], tmp_path: Path) -> None:
     assert_png(out)
 
 
+@pytest.mark.slow  # a figure (about 1 s)
 def test_ablation(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "fig11.png"
     dirs = [runs[n] for n in ("disagg", "static", "pivot_a", "pivot_b")]
@@ -123,6 +125,7 @@ def test_ablation(runs: dict[str, Path], tmp_path: Path) -> None:
     assert norm["pivot"] == "4.00"
 
 
+@pytest.mark.slow  # a figure (about 1 s)
 def test_h_sensitivity(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "fig14.png"
     dirs = [runs[n] for n in ("pivot_h1", "pivot_a", "pivot_b", "pivot_h5")]
@@ -135,6 +138,7 @@ def test_h_sensitivity(runs: dict[str, Path], tmp_path: Path) -> None:
     assert rows[0][4] == "1.50"  # 3 up-shifts over 2 steps
 
 
+@pytest.mark.slow  # a figure (about 1 s)
 def test_planner_overhead(runs: dict[str, Path], tmp_path: Path) -> None:
     out, csv = tmp_path / "t2.png", tmp_path / "t2.csv"
     dirs = [runs["pivot_a"], runs["colocated"]]
@@ -148,6 +152,7 @@ def test_planner_overhead(runs: dict[str, Path], tmp_path: Path) -> None:
     assert csv.read_text().splitlines()[0].startswith("gpus,decisions,preprocess_mean")
 
 
+@pytest.mark.slow  # a figure (about 1 s)
 def test_migration_overhead(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "t3.png"
     res = script("migration_overhead.py", runs["pivot_a"], "--out", out)
@@ -220,6 +225,7 @@ def write_learning_run(run_dir: Path, mode: str, seed: int, accuracy: list[float
     return run_dir
 
 
+@pytest.mark.slow  # a figure (about 1 s)
 def test_convergence_curves_and_figure(tmp_path: Path) -> None:
     a = write_learning_run(tmp_path / "pivot", "pivot", 0, [0.5, 0.6, 0.8])
     b = write_learning_run(tmp_path / "colocated", "colocated", 1, [0.5, 0.7, 0.75])

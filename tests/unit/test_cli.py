@@ -31,6 +31,7 @@ def test_bench_planner_json_contract() -> None:
     assert {"preprocess", "construct", "simulate"} <= set(data)
 
 
+@pytest.mark.slow  # a benchmark (1.5-2 s)
 def test_bench_migration_json_contract() -> None:
     out = run_cli(
         "bench", "migration", "--gpus", "16", "--snapshots", "1", "--repeat", "1", "--json"

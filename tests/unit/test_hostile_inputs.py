@@ -56,6 +56,7 @@ def test_billion_laughs_config_is_refused_at_once(tmp_path: Path) -> None:
     one_line(info.value, "bomb.yaml", "aliases", "not supported", "line 3")
 
 
+@pytest.mark.slow  # a CLI process
 def test_billion_laughs_through_config_show_is_exit_2_and_one_line(tmp_path: Path) -> None:
     path = write(tmp_path, "bomb.yaml", billion_laughs())
     start = time.monotonic()
@@ -88,6 +89,7 @@ def test_merge_key_anchor_in_a_file_is_refused(tmp_path: Path) -> None:
     one_line(info.value, "merge.yaml", "aliases")
 
 
+@pytest.mark.slow  # 1-1.5 s
 def test_deep_nesting_is_one_line(tmp_path: Path) -> None:
     deep = "[" * 5000 + "]" * 5000
     path = write(tmp_path, "deep.yaml", f"loop:\n  steps: {deep}\n")
@@ -161,6 +163,7 @@ def test_genuine_yaml_still_loads() -> None:
 
 
 # ------------------------------------------------------------- long values in messages
+@pytest.mark.slow  # 1.5 s of YAML
 def test_long_values_are_cut_in_error_messages(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, ["loop.steps=" + "x" * 100_000])
@@ -260,6 +263,7 @@ def test_pivot_hpc_run_refuses_a_huge_world_before_launch(
 
 
 # ---------------------------------------------------------------------------- datasets
+@pytest.mark.slow  # 1-2 s
 def test_parquet_bomb_is_refused_fast_in_bounded_memory(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -90,6 +90,7 @@ def assert_one_line_refusal(r: subprocess.CompletedProcess, *says: str) -> None:
 # ---------------------------------------------------------------- the genuine file reads
 
 
+@pytest.mark.slow  # CLI processes (1-2 s)
 def test_the_genuine_run_reports_and_traces(tmp_path: Path) -> None:
     write_genuine_run(tmp_path)
     r, _ = cli("report", tmp_path)
@@ -157,6 +158,7 @@ OUTSIDE: dict[str, tuple[Callable[[Path, Path], None], str]] = {
 }
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 @pytest.mark.parametrize("case", sorted(OUTSIDE))
 def test_nothing_outside_the_run_is_read(tmp_path: Path, case: str) -> None:
     make, says = OUTSIDE[case]
@@ -177,6 +179,7 @@ def _leave_open_for_write(path: Path) -> None:
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_a_killed_writers_file_is_refused_the_same_way(tmp_path: Path) -> None:
     run = tmp_path / "run"
     path = write_genuine_run(run)
@@ -188,6 +191,7 @@ def test_a_killed_writers_file_is_refused_the_same_way(tmp_path: Path) -> None:
         assert SECRET not in r.stdout + r.stderr
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_the_probe_imports_nothing_from_the_current_directory(tmp_path: Path) -> None:
     """A module planted in the run directory is not imported by the probe's child even when
     `report` runs from there (`-P`: the parent, too, is run without the cwd on its path)."""
@@ -205,6 +209,7 @@ def test_the_probe_imports_nothing_from_the_current_directory(tmp_path: Path) ->
     assert not (tmp_path / "PWNED").exists()
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_a_telemetry_file_linked_from_outside_is_refused(tmp_path: Path) -> None:
     genuine = write_genuine_run(tmp_path / "elsewhere")
     run = tmp_path / "run"
@@ -214,6 +219,7 @@ def test_a_telemetry_file_linked_from_outside_is_refused(tmp_path: Path) -> None
     assert_one_line_refusal(r, "alloc-001.h5", "symbolic link")
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_a_fifo_named_like_telemetry_does_not_hang(tmp_path: Path) -> None:
     (tmp_path / "telemetry").mkdir()
     os.mkfifo(tmp_path / "telemetry" / "alloc-001.h5")
@@ -271,6 +277,7 @@ WRONG_KIND: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 @pytest.mark.parametrize("case", sorted(WRONG_KIND))
 def test_objects_the_writer_does_not_make_are_one_line(tmp_path: Path, case: str) -> None:
     make, says = WRONG_KIND[case]
@@ -283,6 +290,7 @@ def test_objects_the_writer_does_not_make_are_one_line(tmp_path: Path, case: str
 # ---------------------------------------------------------------- declared, never written
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 @pytest.mark.parametrize("rows", [30_000_000, 1_000_000_000])
 def test_declared_rows_the_file_cannot_hold_are_refused_fast(tmp_path: Path, rows: int) -> None:
     path = write_genuine_run(tmp_path)
@@ -299,6 +307,7 @@ def test_declared_rows_the_file_cannot_hold_are_refused_fast(tmp_path: Path, row
         assert seconds < 5, seconds
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_a_saved_config_with_a_huge_cluster_is_refused_fast(tmp_path: Path) -> None:
     write_genuine_run(tmp_path, config={"cluster": {"nodes": 1, "gpus_per_node": 10**7}})
     r, seconds = cli("trace", tmp_path)
@@ -306,6 +315,7 @@ def test_a_saved_config_with_a_huge_cluster_is_refused_fast(tmp_path: Path) -> N
     assert seconds < 5, seconds
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_a_shift_row_of_a_huge_training_group_is_refused(tmp_path: Path) -> None:
     path = write_genuine_run(tmp_path)
     with h5py.File(path, "r+") as f:
@@ -320,6 +330,7 @@ def test_a_shift_row_of_a_huge_training_group_is_refused(tmp_path: Path) -> None
 # ---------------------------------------------------------------- writing the trace
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_trace_does_not_write_through_a_planted_symlink(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_genuine_run(run)
@@ -332,6 +343,7 @@ def test_trace_does_not_write_through_a_planted_symlink(tmp_path: Path) -> None:
     assert (run / "trace.json").is_symlink()
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_analysis_figures_do_not_write_through_a_planted_symlink(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_genuine_run(run)
@@ -360,6 +372,7 @@ def test_analysis_figures_do_not_write_through_a_planted_symlink(tmp_path: Path)
 ESCAPES = "\x1b]52;c;c2VjcmV0\x07\x1b[2J\x9b31m\u202e"
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_escapes_in_attributes_and_rows_do_not_reach_the_terminal(tmp_path: Path) -> None:
     path = write_genuine_run(tmp_path, label=f"evil{ESCAPES}label\nforged line")
     with h5py.File(path, "r+") as f:
@@ -378,6 +391,7 @@ def test_escapes_in_attributes_and_rows_do_not_reach_the_terminal(tmp_path: Path
     assert any(ev["name"] == "migrate 2 rollout (up)" for ev in events)
 
 
+@pytest.mark.slow  # a CLI process per test (0.5-2 s)
 def test_escapes_in_error_messages_are_stripped(tmp_path: Path) -> None:
     run = tmp_path / f"run{ESCAPES}\nsecond line"  # a directory name from a tarball
     path = write_genuine_run(run)

@@ -318,7 +318,7 @@ def test_round_trip_every_dataset_and_field(run_dir: Path) -> None:
     ro = run.role("rollout")
     assert ro["t"].tolist() == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0]
     assert ro["n_seq"].tolist() == [16, 15, 14, 13, 12, 12]
-    assert ro[1].tolist() == (5.0, "rollout", 4, 8, 15, 2, 1001, 101.0, 111.0)
+    assert ro[1].tolist() == (5.0, "rollout", 4, 8, 15, 2, 1001, 101.0, 111.0, 0)
 
     sh = run["shifts"]
     assert sh["kind"].tolist() == ["down", "up", "up", "up"]

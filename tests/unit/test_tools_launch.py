@@ -79,12 +79,20 @@ def test_disabled_tools_are_not_checked(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.timeout(60)
-def test_enabled_tools_are_refused_naming_the_missing_turn_loop() -> None:
+def test_enabled_tools_pass_the_checks_where_the_sandbox_runs() -> None:
+    check_before_launch(_enabled())  # the turn loop exists: only the preflight is left
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_runtime_part_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pivot_hpc.runtime.world as world
+
+    monkeypatch.setattr(world, "TOOLS_MISSING", "the widget")
     with pytest.raises(LayoutError) as info:
         check_before_launch(_enabled())
     line = str(info.value)
     assert "\n" not in line
-    assert "multi-turn loop" in line and "docs/agentic.md" in line
+    assert "the widget" in line and "docs/agentic.md" in line
     assert "tools.enabled=false" in line
 
 
@@ -101,13 +109,16 @@ def test_a_sandbox_that_cannot_run_is_refused_with_its_reason(
 
 
 @pytest.mark.timeout(60)
-def test_run_refuses_enabled_tools_before_launch(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_run_refuses_what_the_runtime_lacks_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import pivot_hpc.runtime.world as world
+
+    monkeypatch.setattr(world, "TOOLS_MISSING", "the widget")
     run_dir = tmp_path / "run"
     assert main(["run", TINY, "--run-dir", str(run_dir), "tools.enabled=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "multi-turn loop" in err[0], err
+    assert len(err) == 1 and "the widget" in err[0], err
     assert not run_dir.exists()  # refused before anything was written
 
 

@@ -53,6 +53,7 @@ def test_tracking_keys_are_validated() -> None:
         load_config(TINY, ["tracking.backends=[tensorboard,tensorboard]"])
 
 
+@pytest.mark.slow  # imports wandb and mlflow (3-4 s)
 def test_wandb_offline_and_mlflow_file_store(tmp_path: Path) -> None:
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")

@@ -1,0 +1,116 @@
+"""Tool-calling rollouts live (issue 37): `pivot-hpc run configs/tiny-tools.yaml` on a real
+local MPI world. The warmed-up tiny policy calls the calculator; each call parks its
+trajectory and runs in node 0's sandbox service (the coordinator's own), its result comes
+back as the next turn's observation, and every trajectory is one sample, trained once
+(the coordinator aborts the run on any conservation or staleness violation). The report
+counts the calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from live import ROOT, run_command, wait_for
+
+from pivot_hpc.telemetry import open_run
+
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI (mpirun)")
+
+CONFIG = "configs/tiny-tools.yaml"
+
+
+@pytest.mark.timeout(900)
+def test_a_tools_run_trains_on_trajectories_with_calls(tmp_path: Path) -> None:
+    if not (ROOT / CONFIG).is_file():
+        pytest.skip(f"{CONFIG} is not there")
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        run_command(
+            run_dir, "loop.steps=2", "loop.batch_prompts=4", "loop.eval_problems=0", config=CONFIG
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=840,
+        env=dict(os.environ),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "pivot-hpc: done: 2 steps" in out.stdout
+    r = open_run(run_dir)
+    steps = r["steps"]
+    assert list(steps["version"]) == [1, 2] and (steps["samples"] == 16).all()
+    trained = r["trained"]
+    calls = r["tool_calls"]
+    assert len(trained) == 32 and len(set(trained["sample_id"])) == 32
+    # the policy was taught to call: most trajectories do, and their calls were answered
+    assert (trained["tool_calls"] > 0).mean() > 0.3
+    assert len(calls) >= int(trained["tool_calls"].sum())
+    assert {str(s) for s in calls["status"]} <= {"ok", "error"}
+    assert (calls["tool_s"] <= calls["wait_s"] + 1e-6).all()
+    rollout = r["throughput"][r["throughput"]["role"] == "rollout"]
+    assert (rollout["n_parked"] >= 0).all()  # the parked series is written
+    report = subprocess.run(
+        [sys.executable, "-m", "pivot_hpc", "report", str(run_dir), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    s = json.loads(report.stdout)
+    assert s["tool_calls"] == len(calls) > 0
+    assert s["tool_call_trajectory_share"] == pytest.approx((trained["tool_calls"] > 0).mean())
+    assert s["tool_wait_s_mean"] > 0
+
+
+@pytest.mark.timeout(1200)
+def test_a_stopped_tools_run_resumes_its_trajectories(tmp_path: Path) -> None:
+    """SIGTERM mid-run: trajectories in flight — parked on a call or between turns — are
+    saved as data; the resumed allocation issues parked calls again (the calculator is
+    idempotent) and trains every sample exactly once."""
+    if not (ROOT / CONFIG).is_file():
+        pytest.skip(f"{CONFIG} is not there")
+    from pivot_hpc.checkpoint import store
+    from pivot_hpc.runtime.checkpointing import load_rl_state
+
+    base = ["loop.steps=4", "loop.batch_prompts=4", "loop.eval_problems=0"]
+    base += ["checkpoint.interval_steps=0"]
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    proc = subprocess.Popen(
+        run_command(run_dir, *base, config=CONFIG),
+        cwd=ROOT,
+        stdout=open(log, "w"),  # the child keeps it; closed when it exits
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PIVOT_HPC_DECODE_DELAY_S": "0.05"},
+        start_new_session=True,
+    )
+    wait_for(log, "step 1/4", proc, timeout=600)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 3, log.read_text()[-3000:]
+    (ckpt,) = store.complete(run_dir)
+    state = load_rl_state(ckpt)
+    in_flight = [
+        s.payload.traj for b in state["rl"]["batches"].values() for s in b if not s.rolled_out
+    ]
+    states = {t.state for t in in_flight}
+    assert states <= {"gen", "parked"}, states
+    out = subprocess.run(
+        run_command(run_dir, *base, config=CONFIG),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "pivot-hpc: done: 4 steps" in out.stdout
+    trained = open_run(run_dir)["trained"]
+    assert len(np.unique(trained["sample_id"])) == len(trained) == 4 * 16
+    print(f"in flight at the stop: {len(in_flight)} trajectories, states {sorted(states)}")
