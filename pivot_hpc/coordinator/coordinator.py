@@ -168,6 +168,7 @@ class Coordinator:
             )
         )
         self.rates = InferenceRates()  # tokens per GPU-second while a role has work
+        self._holdable: dict[str, tuple[Topology, bool, int]] = {}  # see _slots
 
     # ------------------------------------------------------------- loop
     def run(self, progress: Callable[[int], None] | None = None) -> None:
@@ -348,9 +349,15 @@ class Coordinator:
 
     def _slots(self, role: str) -> int:
         """Slots `role` can hold: not training's own GPUs (training holds them but for a
-        "0 or N" shift-down, so sizing pipeline admission over them halved its cap)."""
-        busy = set(self.topology.training_gpus) if self.training.active else set()
-        return sum(not busy & set(g) for g in self.topology.roles[role].slots.values())
+        "0 or N" shift-down, so sizing pipeline admission over them halved its cap).
+        Asked at every finish: counted once per topology and training state."""
+        topo, active = self.topology, self.training.active
+        cached = self._holdable.get(role)
+        if cached is None or cached[0] is not topo or cached[1] != active:
+            busy = set(topo.training_gpus) if active else set()
+            n = sum(not busy & set(g) for g in topo.roles[role].slots.values())
+            cached = self._holdable[role] = (topo, active, n)
+        return cached[2]
 
     # ---------------------------------------------------------- training
     def maybe_train(self) -> None:

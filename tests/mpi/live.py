@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -35,3 +36,16 @@ def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> No
             raise AssertionError(f"exited {proc.returncode} before {text!r}:\n{log.read_text()}")
         time.sleep(0.05)
     raise AssertionError(f"no {text!r} within {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def report_json(run_dir: Path) -> dict:
+    """`pivot-hpc report RUN_DIR --json`, as a user would run it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pivot_hpc", "report", str(run_dir), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)

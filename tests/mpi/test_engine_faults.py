@@ -17,19 +17,17 @@ process leaves files behind (engines/child_engine.py: each child's TMPDIR is its
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from live import ROOT, run_command, wait_for
+from live import ROOT, report_json, run_command, wait_for
 
 from pivot_hpc.engines.child_engine import _inductor_cache_dir
 from pivot_hpc.telemetry import open_run
@@ -134,14 +132,7 @@ def test_engines_killed_mid_step_are_recovered_and_every_sample_trains_once(
     ids = trained["sample_id"]
     assert len(ids) == STEPS * PROMPTS * SAMPLES and len(np.unique(ids)) == len(ids)
     assert sorted(np.unique(trained["step"]).tolist()) == list(range(STEPS))
-    report = subprocess.run(
-        [sys.executable, "-m", "pivot_hpc", "report", str(run_dir), "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    summary = json.loads(report.stdout)
+    summary = report_json(run_dir)
     assert summary["engine_failures"] == 2, summary
     assert summary["engine_restarts"] == 2 and summary["engines_excluded"] == []
     failures = open_run(run_dir)["failures"]
@@ -223,14 +214,7 @@ def test_vllm_engines_killed_mid_step_are_recovered_and_every_sample_trains_once
     ids = r["trained"]["sample_id"]
     assert len(ids) == VLLM_STEPS * PROMPTS * SAMPLES and len(np.unique(ids)) == len(ids)
     assert sorted(np.unique(r["trained"]["step"]).tolist()) == list(range(VLLM_STEPS))
-    report = subprocess.run(
-        [sys.executable, "-m", "pivot_hpc", "report", str(run_dir), "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    summary = json.loads(report.stdout)
+    summary = report_json(run_dir)
     assert summary["engine_failures"] == 2, summary
     assert summary["engine_restarts"] == 2 and summary["engines_excluded"] == [], summary
     failures, shifts = r["failures"], r["shifts"]

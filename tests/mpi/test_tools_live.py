@@ -8,17 +8,15 @@ counts the calls.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from live import ROOT, run_command, wait_for
+from live import ROOT, report_json, run_command, wait_for
 
 from pivot_hpc.telemetry import open_run
 
@@ -79,15 +77,7 @@ def test_a_tools_run_trains_on_calls_and_resumes_its_trajectories(tmp_path: Path
     assert (calls["tool_s"] <= calls["wait_s"] + 1e-6).all()
     rollout = r["throughput"][r["throughput"]["role"] == "rollout"]
     assert (rollout["n_parked"] >= 0).all()  # the parked series is written
-    report = subprocess.run(
-        [sys.executable, "-m", "pivot_hpc", "report", str(run_dir), "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert report.returncode == 0, report.stderr
-    summary = json.loads(report.stdout)
+    summary = report_json(run_dir)
     assert summary["tool_calls"] == len(calls) > 0
     share = (trained["tool_calls"] > 0).mean()
     assert summary["tool_call_trajectory_share"] == pytest.approx(share)
