@@ -16,6 +16,7 @@ from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.run import build
 from pivot_hpc.sim.workload import SimPayload
 from tests.sim.test_simulator import MODES, tiny
+from tests.sim.trained import run_collecting
 
 DS = ["rl.grpo.dynamic_sampling=true"]
 codec.register(Sample, SimPayload)
@@ -31,17 +32,8 @@ def groups_of(batch):
 @pytest.mark.parametrize(("mode", "strategy"), MODES[:4])
 def test_only_informative_groups_are_trained_and_nothing_is_lost(mode: str, strategy: str) -> None:
     coord, _cluster, _ = build(tiny(mode, f"planner.strategy={strategy}", *DS))
-    trained = []
     seen_ids: set[int] = set()
-    original_end = coord.rl.end_training
-
-    def end_training(step):
-        batch = original_end(step)
-        trained.append(batch)
-        return batch
-
-    coord.rl.end_training = end_training
-    coord.run()
+    trained = run_collecting(coord)
     rl = coord.rl
     assert rl.version == 3 and len(trained) == 3
     assert sum(rl.filtered.values()) > 0  # the synthetic workload has all-equal groups

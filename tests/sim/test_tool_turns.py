@@ -13,6 +13,7 @@ from pivot_hpc.sim.run import build, simulate
 from pivot_hpc.telemetry import open_run
 from pivot_hpc.telemetry.summary import summarise
 from tests.sim.test_simulator import MODES, tiny
+from tests.sim.trained import run_collecting as run_trained
 
 OBS = 16  # sim.workload.tool_output_tokens (its default)
 TOOLS = ["tools.enabled=true", "sim.workload.tool_calls_mean=1.5", "sim.workload.tool_latency_s=5"]
@@ -20,17 +21,7 @@ TOOLS = ["tools.enabled=true", "sim.workload.tool_calls_mean=1.5", "sim.workload
 
 def run_collecting(cfg):
     coord, cluster, _ = build(cfg)
-    trained = []
-    original_end = coord.rl.end_training
-
-    def end_training(step):
-        batch = original_end(step)
-        trained.append(batch)
-        return batch
-
-    coord.rl.end_training = end_training
-    coord.run()
-    return coord, cluster, trained
+    return coord, cluster, run_trained(coord)
 
 
 @pytest.mark.parametrize(("mode", "strategy"), MODES[:4])
