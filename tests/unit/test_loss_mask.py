@@ -152,4 +152,3 @@ def test_masked_tokens_are_not_counted_in_the_normalisation() -> None:
             lp = lp[len(p) - 1 : len(p) + len(r) - 1].gather(1, torch.tensor(r)[:, None])[:, 0]
             nll += [-float(x) for x, k in zip(lp, m, strict=True) if k]
     assert l_masked == pytest.approx(sum(nll) / len(nll), rel=1e-5)
-
