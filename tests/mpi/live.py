@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +24,19 @@ def run_command(run_dir: Path, *overrides: str, config: str = "configs/tiny.yaml
         str(run_dir),
         *overrides,
     ]
+
+
+def start_job(command: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """Start a job (cwd: ROOT, `env` added to this environment) writing to `log`, in a
+    session of its own: mpirun and its ranks share it, so a test can signal them all."""
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=open(log, "w"),  # the child keeps it; closed when it exits
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
 
 
 def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -8,7 +8,6 @@ are still being generated when the test signals or kills the job.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 import listeners
 import numpy as np
 import pytest
-from live import ROOT, run_command, wait_for
+from live import ROOT, run_command, start_job, wait_for
 
 from pivot_hpc.checkpoint import store
 from pivot_hpc.runtime.checkpointing import load_rl_state
@@ -38,15 +37,7 @@ def run(run_dir: Path, *overrides: str, timeout: int = 420) -> subprocess.Comple
 
 
 def start(run_dir: Path, log: Path, *overrides: str, delay_s: float) -> subprocess.Popen:
-    env = {**os.environ, "PIVOT_HPC_DECODE_DELAY_S": str(delay_s)}
-    return subprocess.Popen(
-        run_command(run_dir, *overrides),
-        cwd=ROOT,
-        stdout=open(log, "w"),  # the child keeps it; closed when it exits
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,  # mpirun and its ranks share this session: kill them all
-    )
+    return start_job(run_command(run_dir, *overrides), log, PIVOT_HPC_DECODE_DELAY_S=str(delay_s))
 
 
 def kill_session(proc: subprocess.Popen) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from live import ROOT, report_json, run_command, wait_for
+from live import report_json, run_command, start_job, wait_for
 
 from pivot_hpc.engines.child_engine import _inductor_cache_dir
 from pivot_hpc.telemetry import open_run
@@ -104,14 +104,10 @@ def test_engines_killed_mid_step_are_recovered_and_every_sample_trains_once(
     tmp_path: Path,
 ) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
-    env = {**os.environ, "PIVOT_HPC_DECODE_DELAY_S": "0.05"}
-    proc = subprocess.Popen(
+    proc = start_job(
         run_command(run_dir, *CONFIG, "deployment.engine_restart_window_s=0"),
-        cwd=ROOT,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
+        log,
+        PIVOT_HPC_DECODE_DELAY_S="0.05",
     )
     try:
         wait_for(log, "step 1/", proc, timeout=400)
@@ -170,19 +166,13 @@ def test_vllm_engines_killed_mid_step_are_recovered_and_every_sample_trains_once
     # its engine processes leave behind; the compile cache stays where it was
     tmp = tempfile.mkdtemp(prefix="pivot-faults-")
     env = {
-        **os.environ,
         "PIVOT_HPC_DECODE_DELAY_S": "0.1",  # decoding spans seconds
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         or _inductor_cache_dir(),
         "TMPDIR": tmp,
     }
-    proc = subprocess.Popen(
-        run_command(run_dir, *VLLM_CONFIG, config="configs/tiny-vllm.yaml"),
-        cwd=ROOT,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
+    proc = start_job(
+        run_command(run_dir, *VLLM_CONFIG, config="configs/tiny-vllm.yaml"), log, **env
     )
     try:
         wait_for(log, "step 1/", proc, timeout=420)

@@ -8,7 +8,6 @@ counts the calls.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from live import ROOT, report_json, run_command, wait_for
+from live import ROOT, report_json, run_command, start_job, wait_for
 
 from pivot_hpc.telemetry import open_run
 
@@ -40,13 +39,8 @@ def test_a_tools_run_trains_on_calls_and_resumes_its_trajectories(tmp_path: Path
     base = ["loop.steps=4", "loop.batch_prompts=4", "loop.eval_problems=0"]
     base += ["checkpoint.interval_steps=0"]
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
-    proc = subprocess.Popen(
-        run_command(run_dir, *base, config=CONFIG),
-        cwd=ROOT,
-        stdout=open(log, "w"),  # the child keeps it; closed when it exits
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PIVOT_HPC_DECODE_DELAY_S": "0.05"},
-        start_new_session=True,
+    proc = start_job(
+        run_command(run_dir, *base, config=CONFIG), log, PIVOT_HPC_DECODE_DELAY_S="0.05"
     )
     wait_for(log, "step 1/4", proc, timeout=600)
     proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,6 @@ runtime/evaluation.py); the test also evaluates the checkpointed policies the sa
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live import ROOT
+from live import ROOT, start_job
 
 from pivot_hpc.checkpoint import store
 from pivot_hpc.runtime.checkpointing import load_rl_state
@@ -89,15 +88,8 @@ def test_tiny_job_on_vllm_shifts_checkpoints_partials_resumes_and_learns(tmp_pat
     require_vllm()
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
     t0 = time.monotonic()
-    env = {**os.environ, "PIVOT_HPC_DECODE_DELAY_S": "0.02"}  # sequences still running
-    proc = subprocess.Popen(
-        command(run_dir),
-        cwd=ROOT,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    # sequences still running at the checkpoint
+    proc = start_job(command(run_dir), log, PIVOT_HPC_DECODE_DELAY_S="0.02")
     try:
         end = time.monotonic() + 300
         while "step 3/" not in log.read_text():
