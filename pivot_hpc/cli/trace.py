@@ -1,7 +1,8 @@
 """`pivot-hpc trace RUN_DIR [--out trace.json]`: the run's telemetry as a Perfetto trace.
 
 One track per GPU with the role it holds and its shift phases, the RL steps, planner
-decisions that shifted, migrations, and per-role throughput counters
+decisions that shifted, migrations, and per-role throughput counters; with tool calls, a
+slice per call over its trajectory's parked wait and a counter of parked trajectories
 (`pivot_hpc/telemetry/trace.py`). Open the file at https://ui.perfetto.dev (offline: the
 Perfetto UI can be served locally) or chrome://tracing.
 """
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pivot_hpc.safe_files import open_for_write
     from pivot_hpc.telemetry import open_run
-    from pivot_hpc.telemetry.trace import build
+    from pivot_hpc.telemetry.trace import MAX_TOOL_LANES, build
 
     run_dir = Path(args.run_dir)
     r = open_run(run_dir)
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     for ev in trace["traceEvents"]:
         kinds[ev.get("cat", "meta")] = kinds.get(ev.get("cat", "meta"), 0) + 1
     shown = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()) if k != "meta")
+    not_drawn = trace["otherData"].get("tool_calls_not_drawn", 0)
+    if not_drawn:
+        shown += f"; {not_drawn} tool calls not drawn: all {MAX_TOOL_LANES} lanes busy, or no time"
     print(f"pivot-hpc: wrote {out} ({shown}); open it at https://ui.perfetto.dev")
     return 0
 

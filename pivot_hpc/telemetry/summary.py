@@ -37,6 +37,11 @@ Definitions (also in analysis/README.md):
 - Eq. 1 overall throughput: (N_ro + N_rm) / (N_ro/T_ro + N_rm/T_rm), N = n_seq (running +
   queued), T = tokens_per_s; a role without work adds no latency, a role with work and
   T = 0 makes it 0.
+- tool calls (`tool_calls` rows, schema 5): `tool_calls` answered, `tool_call_trajectory_share`
+  (trained trajectories with at least one call), `tool_wait_s_mean` (the mean parked wait),
+  and `tool_latency` per tool (names and statuses made printable): calls, statuses
+  {status: calls}, the parked wait's p50/p90/max (`wait_s_*`, linear-interpolated
+  percentiles) and the mean seconds in the sandbox (`tool_s_mean`); {} without calls.
 """
 
 from __future__ import annotations
@@ -377,7 +382,35 @@ def tool_counts(calls: np.ndarray, trained: np.ndarray) -> dict[str, Any]:
         if len(trained)
         else None,
         "tool_wait_s_mean": float(calls["wait_s"].mean()) if len(calls) else None,
+        "tool_latency": tool_latency(calls),
     }
+
+
+def tool_latency(calls: np.ndarray) -> dict[str, dict[str, Any]]:
+    """Per tool: calls answered, their statuses, the parked wait's median, p90 and max
+    and the mean seconds in the sandbox ({} without calls). Tool names and statuses are
+    the file's text, made printable (names that differ only in control characters count
+    as one)."""
+    if len(calls) == 0:
+        return {}
+    tools = np.array([printable(str(x)) for x in calls["tool"]], dtype=object)
+    statuses = [printable(str(x)) for x in calls["status"]]
+    out: dict[str, dict[str, Any]] = {}
+    for tool in sorted(set(tools)):
+        mine = np.flatnonzero(tools == tool)
+        wait = calls["wait_s"][mine].astype(np.float64)
+        counts: dict[str, int] = {}
+        for i in mine:
+            counts[statuses[i]] = counts.get(statuses[i], 0) + 1
+        out[tool] = {
+            "calls": len(mine),
+            "wait_s_p50": float(np.percentile(wait, 50)),
+            "wait_s_p90": float(np.percentile(wait, 90)),
+            "wait_s_max": float(wait.max()),
+            "tool_s_mean": float(calls["tool_s"][mine].astype(np.float64).mean()),
+            "statuses": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+        }
+    return out
 
 
 def failure_counts(failures: np.ndarray) -> dict[str, Any]:
@@ -407,6 +440,33 @@ def _json_safe(x: Any) -> Any:
 
 def _num(x: Any, fmt: str = "{:.3g}") -> str:
     return "-" if x is None else fmt.format(x)
+
+
+TOOL_TABLE_ROWS = 12  # tools shown in the text report (the most called); --json has all
+
+
+def _tool_table(latency: dict[str, dict[str, Any]]) -> list[str]:
+    """The text report's per-tool lines: calls, statuses, parked wait p50/p90/max (s) and
+    the mean seconds in the sandbox."""
+    if not latency:
+        return []
+    rows = sorted(latency.items(), key=lambda kv: (-kv[1]["calls"], kv[0]))
+    lines = [
+        f"  {'tool':<16} {'calls':>7}  {'wait p50':>9} {'p90':>9} {'max':>9}  "
+        f"{'run mean':>9}  statuses"
+    ]
+    for tool, t in rows[:TOOL_TABLE_ROWS]:
+        statuses = ", ".join(f"{printable(str(k))} {v}" for k, v in t["statuses"].items())
+        lines.append(
+            f"  {printable(str(tool)):<16} {t['calls']:>7}  "
+            + " ".join(
+                f"{_num(t[k], '{:.3f}'):>9}" for k in ("wait_s_p50", "wait_s_p90", "wait_s_max")
+            )
+            + f"  {_num(t['tool_s_mean'], '{:.3f}'):>9}  {statuses}"
+        )
+    if len(rows) > TOOL_TABLE_ROWS:
+        lines.append(f"  … {len(rows) - TOOL_TABLE_ROWS} more tools (report --json lists all)")
+    return lines
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -448,6 +508,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{_num(s['tool_call_trajectory_share'], '{:.1%}')} of trained trajectories called   "
             f"mean wait {_num(s['tool_wait_s_mean'], '{:.3f}')} s"
         )
+        lines.extend(_tool_table(s.get("tool_latency") or {}))
     if s.get("engine_failures"):
         excluded = ", ".join(s["engines_excluded"]) or "none"
         lines.append(

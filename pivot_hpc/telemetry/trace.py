@@ -3,8 +3,10 @@
 Tracks: one process per node and one thread per GPU, whose slices show the role the GPU
 holds (rollout, reward, training) and its shift phases; a "control plane" process with
 the RL steps as slices, planner decisions that shifted and migrations as instant events,
-and per-role throughput and allocation as counters. Open the file at ui.perfetto.dev or
-chrome://tracing.
+and per-role throughput and allocation as counters; and, for runs with tool calls (schema
+5), a "tool calls" process with one slice per answered call over the time its trajectory
+waited parked (named tool: status), packed onto at most MAX_TOOL_LANES lanes, and a
+counter of the parked trajectories. Open the file at ui.perfetto.dev or chrome://tracing.
 
 Where each replica's GPUs are comes from the caller (`gpus_of`): the telemetry names
 replicas, the run's topology maps them to GPUs.
@@ -12,6 +14,8 @@ replicas, the run's topology maps them to GPUs.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -23,6 +27,12 @@ from pivot_hpc.telemetry.reader import Run
 
 US = 1e6  # trace timestamps are microseconds
 CONTROL_PID = 1_000_000  # the control-plane "process" (above any node index)
+TOOLS_PID = CONTROL_PID + 1  # the tool-calls "process"
+# Tool calls are drawn on lanes (threads) of the tools process, a lane reused once its last
+# call has ended; a run can have thousands of calls parked at once, and a trace viewer
+# with a thread per call is unusable. Calls that find every lane busy are counted
+# (otherData "tool_calls_not_drawn"), not drawn: the parked counter shows how many wait.
+MAX_TOOL_LANES = 256
 ROLE_COLOURS = {"rollout": "good", "reward": "olive", "training": "terrible"}
 SHIFT_PHASES = {
     "up": ("read_s", "reload_s"),
@@ -60,9 +70,11 @@ def build(
     gpus_of: Callable[[str, int], tuple[int, ...]],
     num_gpus: int,
     gpus_per_node: int,
+    max_tool_lanes: int = MAX_TOOL_LANES,
 ) -> dict[str, Any]:
     """The trace of `run`. `gpus_of(replica, gpus)` gives the GPU ids of a replica (the
-    shift row's GPU count is passed along)."""
+    shift row's GPU count is passed along); tool calls take at most `max_tool_lanes`
+    lanes."""
     events: list[dict[str, Any]] = []
     nodes = max(1, -(-num_gpus // gpus_per_node))
     _check_size(events, 2 * (nodes + num_gpus))  # two metadata events per node and GPU
@@ -202,6 +214,7 @@ def build(
                 },
             }
         )
+    not_drawn = _tool_events(run, events, max_tool_lanes)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -210,8 +223,90 @@ def build(
             "strategy": _text(run.meta.get("strategy", "")),
             "simulated": bool(run.meta.get("simulated", False)),
             "allocations": len(run.files),
+            "tool_calls_not_drawn": not_drawn,
         },
     }
+
+
+def _tool_events(run: Run, events: list[dict[str, Any]], max_lanes: int) -> int:
+    """The tools process: a slice per answered call from its issue (t − wait_s) to its
+    result (t) on the lowest free lane, and the rollout's parked trajectories as a
+    counter. Added only for runs with calls or parked trajectories (files older than
+    schema 5 read as neither). Returns the calls not drawn (every lane busy, or a time
+    that is not a number)."""
+    calls = run["tool_calls"]
+    tp = run["throughput"]
+    parked = tp[tp["role"] == "rollout"]
+    parked = parked[np.argsort(parked["t"], kind="stable")]
+    show_parked = bool(len(parked)) and bool((parked["n_parked"] != 0).any())
+    if not len(calls) and not show_parked:
+        return 0
+    lane_meta = 2 * min(max_lanes, len(calls))  # a name and a sort index per lane
+    _check_size(events, 2 + len(calls) + lane_meta + (len(parked) if show_parked else 0))
+    events.append(_meta("process_name", TOOLS_PID, 0, name="tool calls"))
+    events.append(_meta("process_sort_index", TOOLS_PID, 0, sort_index=TOOLS_PID))
+
+    t_end = calls["t"].astype(np.float64)
+    wait = np.nan_to_num(calls["wait_s"].astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    wait = np.clip(wait, 0.0, None)
+    ok = np.isfinite(t_end)
+    t0 = np.where(ok, np.maximum(0.0, t_end - wait), 0.0)
+    busy: list[tuple[float, int]] = []  # (end in µs, lane) of lanes with a call running
+    free: list[int] = []  # lanes whose last call has ended, lowest first
+    lanes = 0
+    not_drawn = int((~ok).sum())
+    for i in np.flatnonzero(ok)[np.argsort(t0[ok], kind="stable")]:
+        row = calls[i]
+        ts, end = _us(t0[i]), _us(max(t_end[i], t0[i]))
+        while busy and busy[0][0] <= ts:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        if free:
+            lane = heapq.heappop(free)
+        elif lanes < max_lanes:
+            lane, lanes = lanes, lanes + 1
+        else:
+            not_drawn += 1
+            continue
+        heapq.heappush(busy, (end, lane))
+        tool, status = _text(row["tool"]), _text(row["status"])
+        tool_s = float(row["tool_s"])
+        events.append(
+            {
+                "name": f"{tool}: {status}",
+                "cat": "tool",
+                "ph": "X",
+                "pid": TOOLS_PID,
+                "tid": lane,
+                "ts": ts,
+                "dur": round(end - ts, 3),
+                "cname": "good" if status == "ok" else "bad",
+                "args": {
+                    "tool": tool,
+                    "status": status,
+                    "sample_id": int(row["sample_id"]),
+                    "call_id": int(row["call_id"]),
+                    "turn": int(row["turn"]),
+                    "wait_s": float(wait[i]),
+                    "tool_s": tool_s if math.isfinite(tool_s) else None,
+                },
+            }
+        )
+    for lane in range(lanes):
+        events.append(_meta("thread_name", TOOLS_PID, lane, name=f"calls {lane}"))
+        events.append(_meta("thread_sort_index", TOOLS_PID, lane, sort_index=lane))
+    if show_parked:
+        for row in parked:
+            events.append(
+                {
+                    "name": "parked trajectories",
+                    "cat": "parked",
+                    "ph": "C",
+                    "pid": TOOLS_PID,
+                    "ts": _us(row["t"]),
+                    "args": {"parked": int(row["n_parked"])},
+                }
+            )
+    return not_drawn
 
 
 def _meta(kind: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
@@ -247,7 +342,13 @@ def _role_slice(pid: int, gpu: int, role: str, rid: str, t0: float, t1: float) -
 
 def _end_time(run: Run) -> float:
     ends = [0.0]
-    for name, col in (("throughput", "t"), ("allocation", "t"), ("shifts", "t"), ("steps", "end")):
+    for name, col in (
+        ("throughput", "t"),
+        ("allocation", "t"),
+        ("shifts", "t"),
+        ("steps", "end"),
+        ("tool_calls", "t"),
+    ):
         rows = run[name]
         if len(rows):
             ends.append(float(rows[col].max()))
