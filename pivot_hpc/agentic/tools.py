@@ -42,8 +42,10 @@ class ToolSpec:
 
     `idempotent`: running a call twice gives the same result and no side effect, so a call
     pending at a checkpoint is simply issued again on resume. `replayable`: the tool keeps
-    state, but re-running a trajectory's calls in order rebuilds it. Neither: a trajectory
-    parked on it at a checkpoint is dropped and its group resampled (trajectory.py)."""
+    state, but re-running a trajectory's calls in order rebuilds it. A trajectory parked at
+    a checkpoint on a tool that is not idempotent is dropped and its group resampled
+    (`resume_group` in trajectory.py): each call runs in a fresh sandbox child, so there is
+    no state for a replay to rebuild yet, and replayable is recorded for when there is."""
 
     name: str
     description: str

@@ -394,7 +394,7 @@ def resume_action(traj: Trajectory) -> ResumeAction:
     - "reissue": parked on an idempotent call: the call is simply issued again;
     - "replay": parked on a call that is not idempotent but replayable: its calls are
       re-run in order (`calls_to_issue`) to rebuild the tool's state, the last one's
-      observation is appended;
+      observation is appended (no runtime can yet: `resume_group` resamples its group);
     - "drop": parked on a call that is neither, or failed: the trajectory cannot continue
       and its group is resampled (`resume_group`)."""
     if traj.state in ("done", "truncated"):
@@ -424,15 +424,45 @@ def calls_to_issue(traj: Trajectory) -> list[CallRecord]:
 @dataclass(frozen=True, slots=True)
 class GroupResume:
     """`resample`: the group's prompt is sampled again from scratch (a GRPO group's
-    advantages need all its samples); `actions`: each trajectory's resume action."""
+    advantages need all its samples); `actions`: each trajectory's resume action; `why`:
+    the reason, in a few words, when it is resampled."""
 
     resample: bool
     actions: tuple[ResumeAction, ...]
+    why: str | None = None
 
 
-def resume_group(group: Iterable[Trajectory]) -> GroupResume:
-    actions = tuple(resume_action(t) for t in group)
-    return GroupResume("drop" in actions, actions)
+def resume_group(group: Iterable[Trajectory], *, can_replay: bool = False) -> GroupResume:
+    """The resume rule of one GRPO group: resampled when a trajectory of it cannot
+    continue — "drop", or "replay" where the runtime cannot replay (`can_replay`).
+
+    No runtime replays today: the sandbox keeps no state between calls (each runs in a
+    fresh child and working directory) and a trajectory's calls are not pinned to one
+    node's service, so there is no tool state to rebuild, and re-running the history of a
+    tool that is not idempotent would only repeat its side effects. Resampling the group
+    is correct whatever the tool does; a group of kept, continued and reissued
+    trajectories stays."""
+    trajs = list(group)
+    actions = tuple(resume_action(t) for t in trajs)
+    for traj, action in zip(trajs, actions, strict=True):
+        if action == "drop" or (action == "replay" and not can_replay):
+            return GroupResume(True, actions, _why(traj, action))
+    return GroupResume(False, actions)
+
+
+def _why(traj: Trajectory, action: ResumeAction) -> str:
+    pending = traj.pending
+    if pending is None:  # failed (or parked without a pending call: malformed)
+        return f"trajectory {traj.traj_id} {traj.state} ({traj.end_reason or 'no reason given'})"
+    if action == "replay":
+        return (
+            f"trajectory {traj.traj_id} waits on tool {pending.tool!r}, which is not "
+            "idempotent, and replaying its calls is not supported"
+        )
+    return (
+        f"trajectory {traj.traj_id} waits on tool {pending.tool!r}, which is neither "
+        "idempotent nor replayable"
+    )
 
 
 # ---------------------------------------------------------------------- observations

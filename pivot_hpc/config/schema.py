@@ -192,6 +192,18 @@ class SchedulerConfig:
     # on shifts, so a batch's long tail can crowd one replica while the others idle. Off
     # where migration is (`migration: false`, the `vanilla` ablation).
     rebalance: bool = False
+    # Soft affinity of a tool-calling trajectory's next turn to the replica its last turn
+    # ran on, which still caches its prefix (beyond the paper, issue 37): Dispatch places
+    # the turn there instead of the max-ΔT replica when that replica has room and its ΔT
+    # is at least (1 − affinity_slack) × the best ΔT. The returning turn then prefills only
+    # its tool observation instead of its whole context (vLLM's automatic prefix caching;
+    # the simulator models it; the hf engine has no prefix cache). 0 = off; 0.1 gives up
+    # at most 10 % of the best replica's marginal throughput for the saved prefill.
+    affinity_slack: float = 0.1
+
+    def validate(self, path: str) -> None:
+        if not 0.0 <= self.affinity_slack <= 1.0:
+            fail(f"{path}.affinity_slack", self.affinity_slack, "must be in [0, 1]")
 
 
 @dataclass(kw_only=True)

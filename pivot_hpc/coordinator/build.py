@@ -136,6 +136,7 @@ def build(cfg: Config, backend: Backend) -> Job:
         restart_window_s=cfg.deployment.engine_restart_window_s,
         tool_timeout_s=cfg.tools.call_timeout_s if cfg.tools.enabled else None,
         horizon_s=cfg.planner.horizon_s,
+        affinity_slack=cfg.scheduler.affinity_slack,
     )
     backend.ready(coord)
     return Job(

@@ -107,6 +107,7 @@ class Coordinator:
         restart_window_s: float = 600.0,
         tool_timeout_s: float | None = None,
         horizon_s: float = 0.0,
+        affinity_slack: float = 0.0,
     ) -> None:
         self.cluster = cluster
         self.topology = topology
@@ -118,7 +119,9 @@ class Coordinator:
         self.tick_s = tick_s
         self.hooks = hooks or Hooks()  # checkpoints, step log, stop requests (hooks.py)
         self.schedulers = {
-            r: Scheduler(r, priority=priority, migration=migration) for r in INFERENCE_ROLES
+            # affinity_slack: a tool-calling turn's soft affinity to its last replica
+            r: Scheduler(r, priority=priority, migration=migration, affinity_slack=affinity_slack)
+            for r in INFERENCE_ROLES
         }
         self.admission = admission  # scheduler.admission=pipeline: the role's running cap
         self.rebalance = rebalance  # scheduler.rebalance: idle replicas take sequences
@@ -266,7 +269,11 @@ class Coordinator:
     ) -> None:
         """Re-queue a checkpoint's unfinished samples (RLState already restored): rollouts
         and reward sequences continue from `generated[(role, sample_id)]` tokens (their
-        tokens are with the cluster); rewarded samples wait for training."""
+        tokens are with the cluster); rewarded samples wait for training. A group with a
+        trajectory that cannot continue is first sampled again (`TurnLoop.resample_on_resume`;
+        `batches` is the RL state's, so its fresh samples are queued below)."""
+        if self.turns is not None:
+            self.turns.resample_on_resume(self.rl)
         for step in sorted(batches):
             self.steps[step] = StepLog(start=self.cluster.now())
             for s in batches[step]:
@@ -563,15 +570,18 @@ class Coordinator:
             self.rl.released > self.rl.version
         )
         parked = {}
+        prefix: dict[str, tuple[int, int]] = {}  # replica -> prefixes it caches (parked)
         if self.turns is not None and self.turns.parked:
             due = self.turns.due_within(self.cluster.now(), self.turns.horizon_s)
             parked = {"rollout": due}
+            prefix = self.turns.prefix_due(self.cluster.now(), self.turns.horizon_s)
         return Snapshot(
             self.topology,
             self.schedulers,
             self.training,
             self.shifts.unrepaid(),
             parked_due=parked,
+            parked_prefix=prefix,
         )
 
     # --------------------------------------------------------- telemetry

@@ -172,6 +172,32 @@ class RLState:
         batch.extend(fresh)
         return group, fresh
 
+    def resample_group(self, step: int, prompt_index: int) -> tuple[list[Sample], list[Sample]]:
+        """Resume from a checkpoint, when a trajectory of the group of prompt `prompt_index`
+        in batch `step` cannot continue (agentic/trajectory.py `resume_group`): the whole
+        group leaves the batch (returned first: never trained, its rewards uncounted; GRPO's
+        advantages need every sample of a group) and the same prompt is sampled again from
+        scratch (returned second: fresh sample ids, the same group indices, in the same
+        places of the batch, so the batch keeps its size and prompt-major order). Not counted
+        in `filtered` or `resampled`: those are dynamic sampling's, and the data cursor does
+        not move (the prompt is the same)."""
+        if self.training_step is not None:
+            raise ConservationError(f"group resampled while step {self.training_step} trains")
+        batch = self.batches.get(step)
+        group = [x for x in batch or () if x.prompt_index == prompt_index]
+        if not group:
+            raise ConservationError(f"batch {step} holds no group of prompt {prompt_index}")
+        if any(x.trained_at >= 0 for x in group):
+            raise ConservationError(f"group of prompt {prompt_index} resampled after training")
+        fresh = {}
+        for x in group:
+            fresh[x.sample_id] = self.source.make(self.next_sample_id, step, prompt_index, x.group)
+            self.next_sample_id += 1
+        assert batch is not None
+        batch[:] = [fresh.get(x.sample_id, x) for x in batch]
+        self.rewarded_count[step] -= sum(x.rewarded for x in group)
+        return group, list(fresh.values())
+
     def batch_ready(self) -> bool:
         """The next step's batch is fully rewarded (and no training is running)."""
         step = self.version

@@ -15,6 +15,14 @@ simulator — appends it to the sample's trajectory and says what it did (`Turn`
   event comes back, the source appends the observation and the next turn is queued; an
   observation that leaves no room ends the trajectory (truncated).
 
+Prefix affinity: the next turn of a trajectory (after a call or a refusal) prefers the
+replica its last turn ran on, which caches its context so far (`SeqState.affinity`, the
+scheduler's `affinity_slack`): placed there it prefills only the observation. The live
+vLLM engine reuses that cache by its automatic prefix caching, the simulator models it;
+the hf engine has no prefix cache (the preference then costs nothing and saves nothing).
+Moving a parked trajectory needs no abort, only a longer prefill next turn; the planner's
+φ counts that prefill for trajectories due back within H (`prefix_due`).
+
 Accounting: the sample is rolled out once, when its trajectory ends (`RLState.rollout_done`
 with the whole response, generated and observation tokens: what training sees); each
 turn's generated tokens count toward the step's rollout tokens when the turn finishes;
@@ -35,6 +43,7 @@ from pivot_hpc.scheduler import SeqState
 
 if TYPE_CHECKING:
     from pivot_hpc.coordinator.coordinator import Coordinator
+    from pivot_hpc.coordinator.rl_state import RLState
 
 TurnKind = Literal["done", "again", "call"]
 
@@ -80,13 +89,17 @@ def check_turn_source(source: object) -> TurnSource:
 
 @dataclass(slots=True)
 class Parked:
-    """A trajectory waiting on a tool call. `rid`: the replica its last turn ran on (its
-    prefix is cached there: a soft affinity the scheduler does not use yet)."""
+    """A trajectory waiting on a tool call. `rid`: the replica its last turn ran on, `idx`
+    its scheduler position then (that incarnation of it; -1: none, e.g. resumed from a
+    checkpoint), `prefix`: the context tokens it caches there (the last turn's length at
+    its end) — the next turn's soft affinity."""
 
     sample: Sample
     since: float
     tool: str
     rid: str
+    idx: int = -1
+    prefix: int = 0
 
 
 @dataclass
@@ -155,6 +168,28 @@ class TurnLoop:
             p.since + self.expected_wait(p.tool) - now <= horizon_s for p in self.parked.values()
         )
 
+    def prefix_due(self, now: float, horizon_s: float) -> dict[str, tuple[int, int]]:
+        """Replica -> (trajectories, context tokens it caches for them) of those parked
+        with affinity to it and due back within `horizon_s` (Snapshot.parked_prefix: what
+        a shift-down of it makes them re-prefill). Only for the incarnation they ran on,
+        and empty when the scheduler has no affinity (every returning turn re-prefills
+        anyway)."""
+        sched = self.coord.schedulers["rollout"]
+        if sched.affinity_slack <= 0:
+            return {}
+        out: dict[str, tuple[int, int]] = {}
+        for p in self.parked.values():
+            if p.idx < 0 or sched.replicas.get(p.rid) != p.idx:
+                continue
+            if p.since + self.expected_wait(p.tool) - now <= horizon_s:
+                n, tok = out.get(p.rid, (0, 0))
+                out[p.rid] = (n + 1, tok + p.prefix)
+        return out
+
+    def _affinity(self, ev: SequenceFinished) -> int:
+        """The scheduler position of the replica a turn ran on (-1: gone by now)."""
+        return self.coord.schedulers["rollout"].replicas.get(ev.rid, -1)
+
     def on_turn(self, s: Sample, ev: SequenceFinished) -> bool:
         """A rollout turn of `s` finished (the scheduler has let it go): True when its
         trajectory is over (the caller rolls it out), False when it goes on."""
@@ -166,17 +201,19 @@ class TurnLoop:
             return True
         if turn.kind == "again":
             self.stats.refusals += 1
-            self._queue(s, turn.context)
+            self._queue(s, turn.context, self._affinity(ev))
             return False
         if turn.kind != "call":
             raise ConservationError(f"sample {s.sample_id}: unknown turn kind {turn.kind!r}")
         s.tool_calls += 1
-        self._park(s, turn.tool, turn.args_json, ev.rid)
+        self._park(s, turn.tool, turn.args_json, ev.rid, self._affinity(ev), ev.length)
         return False
 
-    def _park(self, s: Sample, tool: str, args_json: str, rid: str) -> None:
+    def _park(
+        self, s: Sample, tool: str, args_json: str, rid: str, idx: int = -1, prefix: int = 0
+    ) -> None:
         call_id, self._next_call = self._next_call, self._next_call + 1
-        self.parked[call_id] = Parked(s, self.coord.cluster.now(), tool, rid)
+        self.parked[call_id] = Parked(s, self.coord.cluster.now(), tool, rid, idx, prefix)
         self.stats.calls += 1
         self.coord.cluster.call_tool(
             ToolCall(call_id, s.sample_id, tool, args_json, self.call_timeout_s)
@@ -192,6 +229,34 @@ class TurnLoop:
         tool, args_json = call
         self._park(s, tool, args_json, rid="")
         return True
+
+    def resample_on_resume(self, rl: RLState) -> list[Sample]:
+        """Resume from a checkpoint, before `resume`: every GRPO group a trajectory of
+        which cannot continue (the source's `resample_reason`: a call pending on a tool
+        that is not idempotent, or a failed trajectory) is sampled again from scratch
+        (`RLState.resample_group`), with one line saying why. Returns the samples dropped:
+        none of them is queued, rewarded or trained."""
+        reason = getattr(self.source, "resample_reason", None)
+        dropped: list[Sample] = []
+        if reason is None:  # a source without checkpointed trajectories (the simulator)
+            return dropped
+        for step in sorted(rl.batches):
+            groups: dict[int, list[Sample]] = {}
+            for x in rl.batches[step]:
+                groups.setdefault(x.prompt_index, []).append(x)
+            for prompt_index, group in groups.items():
+                why = reason(group)
+                if why is None:
+                    continue
+                old, fresh = rl.resample_group(step, prompt_index)
+                dropped += old
+                print(
+                    f"pivot-hpc: resume: the group of prompt {prompt_index} (step {step}, "
+                    f"samples {[x.sample_id for x in old]}) is sampled again as samples "
+                    f"{[x.sample_id for x in fresh]}: {why}",
+                    flush=True,
+                )
+        return dropped
 
     def on_result(self, ev: ToolReturned) -> None:
         res = ev.result
@@ -220,12 +285,14 @@ class TurnLoop:
             self._ended(s)
             self.rolled_out(s, self.source.response_len(s), None)
         else:
-            self._queue(s, context)
+            self._queue(s, context, p.idx)
 
-    def _queue(self, s: Sample, context: int) -> None:
-        """The next turn: an ordinary rollout sequence from the context so far."""
+    def _queue(self, s: Sample, context: int, affinity: int = -1) -> None:
+        """The next turn: an ordinary rollout sequence from the context so far, preferring
+        the replica (position) that caches its prefix."""
         s.context_len = context
-        self.coord.schedulers["rollout"].submit(SeqState(s.sample_id, context, s))
+        seq = SeqState(s.sample_id, context, s, affinity=affinity)
+        self.coord.schedulers["rollout"].submit(seq)
         self.coord.dispatch("rollout")
 
     def _ended(self, s: Sample) -> None:

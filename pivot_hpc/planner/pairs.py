@@ -5,7 +5,9 @@ shifts down (free GPUs cost nothing; idle training — its set or an elastic ext
 counts as a replica with no token throughput; busy training cannot shift). Slots and the replicas in their way form a
 bipartite graph; each connected component is one shift pair: its eligible slots
 (ordered by slot index) share one shift-down set whose penalty φ = Σ τ_shift·T_i is paid
-once. Components are disjoint, so penalties add (App. D.1).
+once. Components are disjoint, so penalties add (App. D.1). Beyond the paper, φ also
+counts the prefix cache a shift-down loses for tool-calling trajectories parked with
+affinity to the replica (`lost_prefix`, issue 37).
 
 With a 4-GPU reward slot and 1-GPU rollout replicas this yields "four rollout replicas →
 one reward replica" pairs, and an idle 8-GPU training set yields one pair of two reward
@@ -24,10 +26,33 @@ def replica_throughput(snap: Snapshot, rid: str) -> float:
     return snap.schedulers[role_of(rid)].replica(rid).T
 
 
+def lost_prefix(snap: Snapshot, rid: str) -> float:
+    """Tokens of output the prefix cache lost by shifting `rid` down costs (issue 37):
+    trajectories parked with affinity to it and due back within H (`Snapshot.
+    parked_prefix`) re-prefill their cached context next turn instead of only their
+    observation. In φ's unit (τ·T: seconds × tokens/s = tokens not made): their prefill
+    seconds (context × the role's prefill s/token) times the throughput of a replica
+    running what `rid` runs now plus those trajectories — the replica that prefills
+    decodes nothing meanwhile, as the planner's re-prefill cost of migrated sequences
+    counts it (planner.py `_Simulator.reprefill_cost`). Not `rid`'s T_i now: with every
+    trajectory parked it is 0, and the cache would look free to lose."""
+    n, tokens = snap.parked_prefix.get(rid, (0, 0))
+    role = role_of(rid)
+    if not tokens or role == TRAINING:
+        return 0.0
+    v = snap.schedulers[role].replica(rid)
+    t_back = v.model.throughput(v.n_seq + n, v.n_tok + tokens)
+    return tokens * snap.topology.roles[role].prefill_s_per_token * t_back
+
+
 def penalty(snap: Snapshot, down: list[str]) -> float:
-    """φ = Σ τ_shift(role)·T_i over the replicas that shift down."""
+    """φ = Σ τ_shift(role)·T_i over the replicas that shift down, plus the prefix cache
+    they lose for parked trajectories due back within H (`lost_prefix`)."""
     topo = snap.topology
-    return sum(topo.tau(role_of(rid)) * replica_throughput(snap, rid) for rid in down)
+    return sum(
+        topo.tau(role_of(rid)) * replica_throughput(snap, rid) + lost_prefix(snap, rid)
+        for rid in down
+    )
 
 
 def group_by_occupants(

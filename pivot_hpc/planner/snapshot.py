@@ -227,6 +227,11 @@ class Snapshot:
     # no queue place) but whose next turn will need a replica within H. Those due later
     # are not demand: their GPUs can serve the GenRM or training meanwhile.
     parked_due: Mapping[str, int] = field(default_factory=dict)
+    # Replica -> (trajectories, context tokens it caches for them) of those parked with
+    # affinity to it (SeqState.affinity) and due back within H: a shift-down of the
+    # replica makes their next turns re-prefill those tokens instead of only the
+    # observation (pairs.lost_prefix).
+    parked_prefix: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def validate(self) -> dict[int, str]:
         """Check consistency; return the GPU → occupant replica map."""

@@ -27,11 +27,11 @@ from pivot_hpc.agentic.trajectory import (
     encoder,
     observation_format,
     resume_action,
+    resume_group,
 )
-from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.coordinator.rl_state import ConservationError, Sample
 from pivot_hpc.coordinator.turns import Turn
 from pivot_hpc.engines.base import SamplingParams, SeqResult
-from pivot_hpc.errors import PivotError
 
 if TYPE_CHECKING:
     from pivot_hpc.runtime.live_samples import LivePayload
@@ -111,20 +111,27 @@ class LiveTurns:
             return None
         return len(traj.context_ids())
 
+    def resample_reason(self, group: list[Sample]) -> str | None:
+        """Resume from a checkpoint: why the GRPO group `group` (one prompt's samples) must
+        be sampled again from scratch, or None when every trajectory of it can go on
+        (`resume_group`: a call pending on a tool neither idempotent nor replayable, or a
+        failed trajectory; a replayable one too, since nothing here replays: the sandbox
+        keeps no tool state between calls to rebuild)."""
+        trajs = [x.payload.traj for x in group if x.payload.traj is not None]
+        return resume_group(trajs, can_replay=False).why
+
     def resume_call(self, s: Sample, call_id: int) -> tuple[str, str] | None:
         """Resume from a checkpoint: the call a parked trajectory issues again, renumbered
-        `call_id` (None: not parked). Only an idempotent call is re-run; a stateful tool's
-        replay is not built yet and is refused in one line."""
+        `call_id` (None: not parked). Only an idempotent call is issued again; the group of
+        any other was sampled again before (`resample_reason`), so one here is a bug."""
         traj: Trajectory | None = s.payload.traj
         if traj is None or traj.state != "parked":
             return None
         action = resume_action(traj)
         if action != "reissue":
-            raise PivotError(
-                f"sample {s.sample_id} was checkpointed waiting on tool "
-                f"{traj.calls[-1].tool!r}, which is not idempotent ({action}): resuming such "
-                "a trajectory is not supported yet; resume from a checkpoint taken with "
-                "tools.tools of idempotent tools only"
+            raise ConservationError(
+                f"sample {s.sample_id} resumed waiting on tool {traj.calls[-1].tool!r} "
+                f"({action}), but its group was not sampled again"
             )
         pending = traj.pending
         assert pending is not None

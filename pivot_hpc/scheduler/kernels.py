@@ -8,7 +8,8 @@ the choices against a brute-force argmax over `ThroughputModel.gain`).
 
 Replica arrays are indexed by position p (insertion order, the tie-breaker); a model is
 `kind` (0: the throughput model with constants A, B, C, D; 1: busy/idle for `vanilla`).
-Sequence arrays are indexed by position q: length, replica (-1 queued, -2 gone), id.
+Sequence arrays are indexed by position q: length, replica (-1 queued, -2 gone), id,
+and the preferred replica (negative: none; see `prefer`).
 """
 
 from __future__ import annotations
@@ -60,8 +61,34 @@ def best_replica(length, cand, n, tok, cap, nmax, kind, A, B, C, D):
 
 
 @njit(cache=True)
-def dispatch_order(order, seq_len, seq_rep, cand, n, tok, cap, nmax, kind, A, B, C, D, T):
-    """Dispatch queued sequences `order` (priority order) until one fits nowhere.
+def prefer(best, pref, slack, length, cand, n, tok, cap, nmax, kind, A, B, C, D):
+    """Soft affinity: `pref` instead of the argmax `best` when `pref` is a candidate with
+    room and its gain is within `slack` of the best gain (g_pref >= g_best − slack·|g_best|:
+    for a positive gain that is (1 − slack)·g_best; the |·| keeps a negative best gain —
+    a replica past its throughput peak — from admitting a worse one by more than the
+    slack). A trajectory's returning turn reuses the prefix its last replica still caches;
+    a `pref` that shifted down is no candidate, so it simply means no preference."""
+    if best < 0 or pref < 0 or pref == best or slack <= 0.0:
+        return best
+    i = np.searchsorted(cand, pref)  # cand is ascending
+    if i >= cand.shape[0] or cand[i] != pref:
+        return best
+    if tok[pref] + length > cap[pref] or (nmax[pref] > 0 and n[pref] >= nmax[pref]):
+        return best
+    g_best = gain(kind[best], A[best], B[best], C[best], D[best], n[best], tok[best], length)
+    g_pref = gain(kind[pref], A[pref], B[pref], C[pref], D[pref], n[pref], tok[pref], length)
+    if g_pref >= g_best - slack * abs(g_best):
+        return pref
+    return best
+
+
+@njit(cache=True)
+def dispatch_order(
+    order, seq_len, seq_rep, seq_pref, slack, cand, n, tok, cap, nmax, kind, A, B, C, D, T
+):
+    """Dispatch queued sequences `order` (priority order) until one fits nowhere: each to
+    the argmax-ΔT replica, or to its preferred one (`seq_pref`) within `slack` (`prefer`;
+    slack 0: the argmax alone, as before).
 
     Returns how many were placed; `seq_rep` tells where each went.
     """
@@ -70,6 +97,8 @@ def dispatch_order(order, seq_len, seq_rep, cand, n, tok, cap, nmax, kind, A, B,
         q = order[i]
         length = seq_len[q]
         p = best_replica(length, cand, n, tok, cap, nmax, kind, A, B, C, D)
+        if slack > 0.0 and seq_pref[q] >= 0:
+            p = prefer(p, seq_pref[q], slack, length, cand, n, tok, cap, nmax, kind, A, B, C, D)
         if p < 0:
             break
         seq_rep[q] = p

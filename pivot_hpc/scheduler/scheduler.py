@@ -12,6 +12,14 @@ The queue is strict priority order (default: ascending sequence id): Dispatch st
 the first sequence no replica can hold, so a long resumed sequence is never starved by
 short new ones.
 
+Soft affinity (beyond the paper, issue 37): a sequence may name a preferred replica
+(`SeqState.affinity`: a tool-calling trajectory's last replica, which still caches its
+prefix). Dispatch places it there instead of the argmax when that replica has room and
+its ΔT is within `affinity_slack` of the best (`kernels.prefer`). The preference is a
+replica position, which names one incarnation of the replica (positions are never
+reused): once it shifted down — even if the same slot came back up since, its cache
+gone — it is no preference. Alg. 4's migration ignores affinity.
+
 State lives in flat arrays (replica position p, sequence position q) so the planner can
 copy it cheaply and the compiled loops in `kernels.py` can run over it.
 """
@@ -88,6 +96,10 @@ class SeqState:
     seq_id: int
     length: int
     payload: Any = None
+    # the replica preferred for its prefix cache, by position (`ReplicaView.idx`, the
+    # incarnation; -1: none): a tool-calling trajectory's last replica
+    # (coordinator/turns.py). Kept while the sequence is scheduled.
+    affinity: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +194,7 @@ class Scheduler:
         "D",
         "T",
     )
-    _SEQ_ARRAYS = ("seq_len", "seq_rep", "seq_id")
+    _SEQ_ARRAYS = ("seq_len", "seq_rep", "seq_id", "seq_pref")
 
     def __init__(
         self,
@@ -190,6 +202,7 @@ class Scheduler:
         *,
         priority: str = "seq_id",
         migration: bool = True,
+        affinity_slack: float = 0.0,
     ) -> None:
         self.role = role
         if priority not in PRIORITIES:
@@ -198,6 +211,9 @@ class Scheduler:
             )
         self.priority_key: PriorityKey = PRIORITIES[priority]
         self.migration = migration
+        if not 0.0 <= affinity_slack <= 1.0:
+            raise SchedulerError(f"{self.role}: affinity_slack {affinity_slack} not in [0, 1]")
+        self.affinity_slack = affinity_slack  # 0: no soft affinity (kernels.prefer)
         self.replica_limit = 0  # running sequences per replica on top of the engine's cap
         # replicas, by position p (never reused: p is also the tie-breaking order)
         self.replicas: dict[str, int] = {}  # active replica id -> p
@@ -219,6 +235,7 @@ class Scheduler:
         self.seq_len = np.zeros(0, np.int64)
         self.seq_rep = np.zeros(0, np.int64)
         self.seq_id = np.zeros(0, np.int64)
+        self.seq_pref = np.zeros(0, np.int64)  # preferred replica position (<0: none)
         self._seqs: list[SeqState | None] = []
         self._q_of: dict[int, int] = {}
         # the same map as a dense array (seq_id -> q, -1: none) for bulk lookups of the
@@ -228,7 +245,7 @@ class Scheduler:
         # Both arrays are replaced, never written in place, so clones may share them.
         self._qpos = np.zeros(0, np.int64)
         self._qkey = np.zeros(0, np.int64)
-        # Copy on write of _seqs, _q_of, _q_arr, seq_len and seq_id: a clone copies them before it
+        # Copy on write of _seqs, _q_of, _q_arr, seq_len, seq_id and seq_pref: a clone copies them before it
         # changes them (`_shared`); the original only while a clone sharing them is alive
         # (the planner's clones live for one decision, so the original rarely copies).
         self._shared = False
@@ -395,6 +412,10 @@ class Scheduler:
             else:
                 self._q_arr = None
         self.seq_len[q], self.seq_id[q] = seq.length, seq.seq_id
+        # a replica that is not active (shifted down since) is no preference
+        pref = seq.affinity
+        live = 0 <= pref < len(self._rid_of) and self.active[pref]
+        self.seq_pref[q] = pref if live else -1
         self.seq_rep[q] = QUEUED
         self._pending.append(q)  # merged in bulk before the queue is next read
 
@@ -444,6 +465,7 @@ class Scheduler:
                 self._q_arr = self._q_arr.copy()
             self.seq_len = self.seq_len.copy()
             self.seq_id = self.seq_id.copy()
+            self.seq_pref = self.seq_pref.copy()
             self._shared = False
             self._sharers = weakref.WeakSet()
 
@@ -615,7 +637,8 @@ class Scheduler:
     def dispatch(
         self, targets: Iterable[str] | None = None, *, record: bool = True
     ) -> list[tuple[int, str]]:
-        """Dispatch waiting sequences in priority order to the max-ΔT replica with room."""
+        """Dispatch waiting sequences in priority order to the max-ΔT replica with room
+        (or a sequence's preferred one within `affinity_slack`, see the module docstring)."""
         self._flush()
         if not len(self._qpos):
             return []
@@ -625,6 +648,8 @@ class Scheduler:
             order,
             self.seq_len,
             self.seq_rep,
+            self.seq_pref,
+            self.affinity_slack,
             self._candidates(targets),
             self.n[:m],
             self.tok[:m],
@@ -800,6 +825,7 @@ class Scheduler:
         self._flush()
         c = Scheduler.__new__(Scheduler)
         c.role, c.priority_key, c.migration = self.role, self.priority_key, self.migration
+        c.affinity_slack = self.affinity_slack
         c.replica_limit = self.replica_limit
         c.replicas = dict(self.replicas)
         c._rid_of = list(self._rid_of)
@@ -809,7 +835,7 @@ class Scheduler:
         # Shared until either side submits, finishes or changes lengths (`_own`): the
         # planner's simulations only move sequences between the queue and replicas.
         c.seq_rep = self.seq_rep.copy()
-        c.seq_len, c.seq_id = self.seq_len, self.seq_id
+        c.seq_len, c.seq_id, c.seq_pref = self.seq_len, self.seq_id, self.seq_pref
         c._seqs, c._q_of, c._q_arr = self._seqs, self._q_of, self._q_arr
         c._shared = True
         c._sharers = weakref.WeakSet()
@@ -841,3 +867,7 @@ class Scheduler:
         assert (self._qkey == self._keys(self._qpos)).all()
         for seq_id, q in self._q_of.items():
             assert self._seqs[q].seq_id == seq_id and self.seq_id[q] == seq_id
+            pref = int(self.seq_pref[q])
+            # a preference names a replica position that existed (maybe inactive by now)
+            assert pref < len(self._rid_of), (seq_id, pref)
+            assert pref < 0 or pref == self._seqs[q].affinity, (seq_id, pref)

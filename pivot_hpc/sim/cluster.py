@@ -35,6 +35,11 @@ Tool calls (tools.enabled, coordinator/turns.py) take a latency the workload dra
 (`tool_latency`, `sim.workload.tool_latency_s`) and use no GPU: a parked trajectory holds
 nothing on any replica. A turn's sequence starts from its context so far (`Sample.
 turn_context`) and generates that turn's share of the response (`SimPayload.turn_lens`).
+A turn that calls a tool leaves its context in its replica's prefix cache: the next turn,
+admitted on that same replica incarnation (not shifted down or restarted since, see
+`_prefix`), prefills only the tokens after it (the observation); anywhere else its whole
+context. Cache eviction is not modelled: the prefix is assumed to survive the wait (vLLM
+evicts least-recently-used blocks only under KV pressure, which retraction models apart).
 
 Events are ordered by (time, kind, id) with lazy invalidation (a replica's pending finish
 event is dropped if its membership changed since), so a run is deterministic for a seed.
@@ -102,6 +107,9 @@ class _Replica:
     fixed: float = 0.0  # F(n): the step time at zero tokens held
     # a dead engine (sim.failures): seq id -> (context, generated) it answers aborts with
     dead: dict[int, tuple[float, float]] | None = None
+    # seq id -> prefix tokens this engine caches for an arrival (its last turn ran here):
+    # its admission prefills only the rest (consumed by `SimCluster._admit`)
+    cached: dict[int, float] = field(default_factory=dict)
 
     def step_fixed(self) -> float:
         n = len(self.seqs)
@@ -174,6 +182,15 @@ class SimCluster:
         self._progress: dict[tuple[str, int], float] = {}  # generated tokens kept by aborts
         self._targets: dict[tuple[str, int], tuple[float, object]] = {}
         self._tokens = {"rollout": 0.0, "reward": 0.0}
+        # Prefix cache of tool-calling turns: sample id -> (the replica incarnation — the
+        # _Replica object, new at each shift-up — and the context it caches) for a
+        # trajectory whose turn ended there and which waits on a tool; consumed when its
+        # next turn starts (an entry of a trajectory that ended on its observation stays:
+        # a few bytes each). `_parking`: rollout sequences whose turn ends in a call.
+        self._prefix: dict[int, tuple[_Replica, float]] = {}
+        self._parking: set[int] = set()
+        self.prefill_tokens = {"rollout": 0.0, "reward": 0.0}  # prefilled at admissions
+        self.prefix_hit_tokens = 0.0  # rollout context not prefilled: found in the cache
         self.preempted = 0  # sequences the engines retracted for KV space
         self._window = {"rollout": (0.0, 0.0), "reward": (0.0, 0.0)}  # (t, tokens) last read
         self._node_free: dict[int, float] = {}  # node -> when its host read link is free
@@ -240,6 +257,7 @@ class SimCluster:
         r.finishing.clear()
         r.waiting.clear()
         r.tok = 0.0
+        r.cached.clear()
         r.dead = kept
         r.version += 1  # its pending finish is void
         r.lengths_cache = None
@@ -348,6 +366,13 @@ class SimCluster:
             context = sample.prompt_len + sample.response_len + done
         else:
             context = sample.turn_context + done
+            if payload.turn_lens and sample.turn < len(payload.turn_lens) - 1:
+                self._parking.add(sample.sample_id)  # this turn ends in a tool call
+            else:
+                self._parking.discard(sample.sample_id)
+            prefix = self._prefix.pop(sample.sample_id, None)
+            if prefix is not None and prefix[0] is r and r.dead is None:
+                r.cached[sample.sample_id] = min(prefix[1], context)
         self._targets[key] = (target, sample.payload)
         if r.dead is not None:  # sent before its death was heard: kept as it came
             r.dead[sample.sample_id] = (context, done)
@@ -363,7 +388,10 @@ class SimCluster:
         r.offsets[sid] = seq.length0 - seq.base
         heapq.heappush(r.finishing, (seq.finish_at, sid))
         r.tok += context
-        r.busy_until = max(r.busy_until, self.t) + self.prefill_time(r.role, int(context))
+        cached = r.cached.pop(sid, 0.0)
+        self.prefill_tokens[r.role] += context - cached
+        self.prefix_hit_tokens += cached
+        r.busy_until = max(r.busy_until, self.t) + self.prefill_time(r.role, int(context - cached))
 
     def _resume(self, r: _Replica) -> None:
         """Re-admit waiting sequences, oldest first, while they and the running ones fit."""
@@ -396,6 +424,7 @@ class SimCluster:
         length = r.length(s)
         r.tok -= length
         _, payload = self._targets.pop((r.role, seq_id))
+        self._cache_prefix(r, seq_id, length)
         generated = s.generated0 + (r.iters - s.base)
         self._held[(r.role, seq_id)] = SequenceFinished(
             self.t, r.role, r.rid, seq_id, round(length), round(generated), payload
@@ -413,6 +442,7 @@ class SimCluster:
         self._advance(r)
         if seq_id in r.waiting:
             context, done, _ = r.waiting.pop(seq_id)
+            r.cached.pop(seq_id, None)  # (re-prefilled in full wherever it goes next)
             self._progress[(r.role, seq_id)] = done
             self._resume(r)
             self._schedule(r)
@@ -447,6 +477,12 @@ class SimCluster:
             retracted[sid] = (length, s.generated0 + (r.iters - s.base), target)
             self.preempted += 1
         r.waiting = {**retracted, **r.waiting}  # retracted first: they are the oldest work
+
+    def _cache_prefix(self, r: _Replica, sid: int, length: float) -> None:
+        """A rollout turn that ends in a tool call leaves its context cached on `r`."""
+        if r.role == "rollout" and sid in self._parking:
+            self._parking.discard(sid)
+            self._prefix[sid] = (r, length)
 
     def step_stats(self, role: str) -> list[tuple[float, int, int]]:
         return []  # the simulated engine follows its model: nothing to refit
@@ -550,6 +586,7 @@ class SimCluster:
                 length = r.length(s)
                 r.tok -= length
                 target, payload_ = self._targets.pop((r.role, sid))
+                self._cache_prefix(r, sid, length)
                 out.append(
                     SequenceFinished(
                         self.t, r.role, r.rid, sid, round(length), round(target), payload_

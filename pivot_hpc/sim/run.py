@@ -115,6 +115,10 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "plans": logs.plans,
         "migrated_sequences": logs.migrated,
         "preempted_sequences": cluster.preempted,
+        # rollout context prefilled at admissions, and what the prefix cache of tool-calling
+        # turns spared (scheduler.affinity_slack)
+        "rollout_prefill_tokens": int(cluster.prefill_tokens["rollout"]),
+        "rollout_prefix_hit_tokens": int(cluster.prefix_hit_tokens),
         "events": logs.events,
         # injected engine deaths (sim.failures): the same keys as `pivot-hpc report`
         "engine_failures": logs.engine_failures,

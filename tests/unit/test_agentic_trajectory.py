@@ -208,7 +208,8 @@ def test_resume_rule():
     assert [c.call_id for c in calls_to_issue(reissue)] == [2]
     assert [c.call_id for c in calls_to_issue(replay)] == [1, 2]  # the history, in order
     assert calls_to_issue(drop) == [] and calls_to_issue(done) == []
-    assert not resume_group([gen, done, reissue, replay]).resample
+    assert not resume_group([gen, done, reissue, replay], can_replay=True).resample
+    assert resume_group([gen, done, reissue, replay]).resample  # no runtime replays yet
     group = resume_group([done, drop])
     assert group.resample and group.actions == ("keep", "drop")
     # the rule also holds on the data read back from a checkpoint
