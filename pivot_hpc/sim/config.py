@@ -19,6 +19,33 @@ from typing import ClassVar
 from pivot_hpc.config.loader import Moved
 from pivot_hpc.errors import fail
 
+# at most this many characters in a tool's name (telemetry's `tool_calls.tool` column)
+TOOL_NAME_MAX_CHARS = 16
+
+
+@dataclass(kw_only=True)
+class ToolLatencyConfig:
+    """One tool of `sim.workload.tool_latency_mix`: the share of calls that go to it and
+    its log-normal call latency."""
+
+    # the tool's name in telemetry (`tool_calls.tool`, the report's `tool_latency`) and in
+    # the planner's per-tool wait estimate; "" = tool<i>, i its index in the mix
+    name: str = ""
+    share: float  # fraction of all calls that call this tool (the mix's shares sum to 1)
+    latency_s: float  # median seconds one of its calls takes
+    latency_sigma: float = 0.5  # log-normal sigma of its call latencies (0: always latency_s)
+
+    def validate(self, path: str) -> None:
+        if not (math.isfinite(self.share) and self.share > 0):
+            fail(f"{path}.share", self.share, "must be a share > 0 (the mix's shares sum to 1)")
+        if not (math.isfinite(self.latency_s) and self.latency_s > 0):
+            fail(f"{path}.latency_s", self.latency_s, "must be > 0 seconds")
+        if not (math.isfinite(self.latency_sigma) and self.latency_sigma >= 0):
+            fail(f"{path}.latency_sigma", self.latency_sigma, "must be a finite number >= 0")
+        name = self.name
+        if len(name) > TOOL_NAME_MAX_CHARS or not (name.isascii() and name.isprintable()):
+            fail(f"{path}.name", name, f"need <= {TOOL_NAME_MAX_CHARS} printable ASCII characters")
+
 
 @dataclass(kw_only=True)
 class WorkloadConfig:
@@ -53,6 +80,12 @@ class WorkloadConfig:
     tool_calls_mean: float = 0.0  # mean tool calls per trajectory
     tool_latency_s: float = 1.0  # median seconds a call takes (its trajectory is parked)
     tool_latency_sigma: float = 0.5  # log-normal sigma of call latencies
+    # Latency per tool (empty: every call is one tool, tools.tools' first, with the latency
+    # above): a list of {name, share, latency_s, latency_sigma}; each call picks its tool by
+    # share (shares > 0, summing to 1), then its latency from that tool's log-normal (median
+    # latency_s, sigma latency_sigma); tool_latency_s/_sigma are then unused. E.g. bimodal:
+    # [{name: fast, share: 0.8, latency_s: 1}, {name: slow, share: 0.2, latency_s: 200}]
+    tool_latency_mix: list[ToolLatencyConfig] = field(default_factory=list)
     tool_output_tokens: int = 16  # tokens of one observation
 
     # Keys that moved to the live vocabulary (issue 34): deprecated aliases, read there.
@@ -90,6 +123,25 @@ class WorkloadConfig:
             fail(f"{path}.accuracy_steps", self.accuracy_steps, "must be > 0")
         if self.tool_output_tokens < 1:
             fail(f"{path}.tool_output_tokens", self.tool_output_tokens, "must be >= 1")
+        if self.tool_latency_mix:
+            for i, tool in enumerate(self.tool_latency_mix):  # each first: its own key named
+                tool.validate(f"{path}.tool_latency_mix[{i}]")
+            total = sum(t.share for t in self.tool_latency_mix)
+            if not abs(total - 1.0) <= 1e-6:  # NaN fails too (each share is checked itself)
+                fail(
+                    f"{path}.tool_latency_mix",
+                    [t.share for t in self.tool_latency_mix],
+                    f"the shares sum to {total:.6g}; they must sum to 1",
+                )
+            names = tool_names(self.tool_latency_mix)
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                fail(f"{path}.tool_latency_mix", dup, "each tool needs a name of its own")
+
+
+def tool_names(mix: list[ToolLatencyConfig]) -> list[str]:
+    """The name of each tool of a latency mix ("" = tool<i>)."""
+    return [t.name or f"tool{i}" for i, t in enumerate(mix)]
 
 
 @dataclass(kw_only=True)

@@ -11,8 +11,10 @@ simulator's purpose is throughput, not learning.
 With tools enabled (`sim.workload.tool_*`), a sample is a trajectory of turns: its response
 is split evenly into one turn per tool call plus the answer, each call parks it for a
 log-normal latency (drawn by `tool_latency`, which the SimCluster asks), and each
-observation adds `tool_output_tokens`. The coordinator's turn loop (coordinator/turns.py)
-drives it exactly as it drives live trajectories.
+observation adds `tool_output_tokens`. With `tool_latency_mix`, each call first picks its
+tool by share (from the sample and turn), then its latency from that tool's log-normal.
+The coordinator's turn loop (coordinator/turns.py) drives it exactly as it drives live
+trajectories.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pivot_hpc.agentic.messages import ToolCall, ToolResult
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.coordinator.turns import Turn
-from pivot_hpc.sim.config import Workload
+from pivot_hpc.sim.config import Workload, tool_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,15 @@ class SimWorkload:
     def __init__(self, cfg: Workload, seed: int) -> None:
         self.cfg = cfg
         self.seed = seed
+        # tool_latency_mix: (name, cumulative share, median s, sigma) per tool
+        mix = cfg.tool_latency_mix
+        names = tool_names(mix)
+        self._mix: list[tuple[str, float, float, float]] = []
+        cum = 0.0
+        for name, t in zip(names, mix, strict=True):
+            cum += t.share
+            self._mix.append((name, cum, t.latency_s, t.latency_sigma))
+        self._latency = {name: (median, sigma) for name, _, median, sigma in self._mix}
 
     @staticmethod
     def _lognormal(rng: _Stream, median: float, sigma: float, cap: int) -> int:
@@ -128,7 +139,17 @@ class SimWorkload:
         turns = s.payload.turn_lens
         if s.turn >= len(turns):  # the answer (or a one-turn trajectory)
             return Turn("done")
-        return Turn("call", tool=self.cfg.tool, args_json="{}")
+        return Turn("call", tool=self._tool(s), args_json="{}")
+
+    def _tool(self, s: Sample) -> str:
+        """The tool the call after turn `s.turn` of `s` calls: by share from a stream of
+        (seed, sample) at the turn's index, so whatever the order calls are made in."""
+        if not self._mix:
+            return self.cfg.tool
+        rng = _Stream(self.seed, 4, s.sample_id)
+        rng.n = s.turn  # the turn-th draw of the sample's stream
+        u = rng.random() * self._mix[-1][1]  # the shares sum to 1 within 1e-6
+        return next((name for name, cum, _, _ in self._mix if u < cum), self._mix[-1][0])
 
     def observe(self, s: Sample, result: ToolResult) -> int | None:
         return s.prompt_len + self.response_len(s)
@@ -146,10 +167,12 @@ class SimWorkload:
         return min(self.cfg.tool_output_tokens, self.cfg.tool_output_cap)
 
     def tool_latency(self, call: ToolCall) -> float:
-        """Seconds call `call` takes (log-normal; deterministic for the seed and call)."""
+        """Seconds call `call` takes (log-normal: its tool's in `tool_latency_mix`, else
+        tool_latency_s/_sigma; deterministic for the seed and call)."""
         rng = _Stream(self.seed, 3, call.call_id)
         c = self.cfg
-        return c.tool_latency_s * math.exp(c.tool_latency_sigma * rng.normal())
+        median, sigma = self._latency.get(call.tool, (c.tool_latency_s, c.tool_latency_sigma))
+        return median * math.exp(sigma * rng.normal())
 
 
 def sim_rewarder(sample: Sample, result: object) -> tuple[float, float]:
