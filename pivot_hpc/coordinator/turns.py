@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from pivot_hpc.agentic.messages import ToolCall, ToolResult
 from pivot_hpc.coordinator.events import SequenceFinished, ToolReturned
 from pivot_hpc.coordinator.rl_state import ConservationError, Sample
+from pivot_hpc.coordinator.tool_waits import ToolWaits
 from pivot_hpc.errors import PivotError
 from pivot_hpc.scheduler import SeqState
 
@@ -146,27 +147,21 @@ class TurnLoop:
         self.stats = ToolStats()
         self._next_call = 0
         self.horizon_s = horizon_s  # the planner's H: parked work due back within it
-        self._waits: dict[str, tuple[float, int]] = {}  # tool -> (summed wait s, calls)
+        self.waits = ToolWaits()  # answered calls' waits: what a call still out is due
 
     @property
     def n_parked(self) -> int:
         return len(self.parked)
 
-    def expected_wait(self, tool: str) -> float:
-        """Seconds a call of `tool` is expected to take: the mean of its answered calls
-        (of every tool's before it has one; 0 before any: due at once, so a first wave of
-        calls is not mistaken for idle rollout GPUs)."""
-        s, n = self._waits.get(tool, (0.0, 0))
-        if n:
-            return s / n
-        return self.stats.wait_s / self.stats.results if self.stats.results else 0.0
+    def _due(self, p: Parked, now: float, horizon_s: float) -> bool:
+        """Whether `p`'s call is expected back within `horizon_s` of `now`, given how long
+        it has waited already (tool_waits.py)."""
+        return self.waits.remaining(p.tool, now - p.since) <= horizon_s
 
     def due_within(self, now: float, horizon_s: float) -> int:
         """Parked trajectories whose call is expected back within `horizon_s` of `now`:
         rollout demand the planner counts (Snapshot.parked_due)."""
-        return sum(
-            p.since + self.expected_wait(p.tool) - now <= horizon_s for p in self.parked.values()
-        )
+        return sum(self._due(p, now, horizon_s) for p in self.parked.values())
 
     def prefix_due(self, now: float, horizon_s: float) -> dict[str, tuple[int, int]]:
         """Replica -> (trajectories, context tokens it caches for them) of those parked
@@ -181,7 +176,7 @@ class TurnLoop:
         for p in self.parked.values():
             if p.idx < 0 or sched.replicas.get(p.rid) != p.idx:
                 continue
-            if p.since + self.expected_wait(p.tool) - now <= horizon_s:
+            if self._due(p, now, horizon_s):
                 n, tok = out.get(p.rid, (0, 0))
                 out[p.rid] = (n + 1, tok + p.prefix)
         return out
@@ -267,8 +262,7 @@ class TurnLoop:
         wait = max(0.0, ev.t - p.since)
         self.stats.results += 1
         self.stats.wait_s += wait
-        s_w, n_w = self._waits.get(p.tool, (0.0, 0))
-        self._waits[p.tool] = (s_w + wait, n_w + 1)
+        self.waits.add(p.tool, wait)
         self.stats.statuses[res.status] = self.stats.statuses.get(res.status, 0) + 1
         self.coord.telemetry.tool_call(
             ev.t,

@@ -4,8 +4,11 @@ waits let rollout GPUs serve the GenRM meanwhile; short ones keep them for the n
 
 from __future__ import annotations
 
+import pytest
+
 from pivot_hpc.config.schema import PlannerConfig
-from pivot_hpc.coordinator.turns import Parked, ToolStats, TurnLoop
+from pivot_hpc.coordinator.tool_waits import WINDOW, ToolWaits
+from pivot_hpc.coordinator.turns import Parked, TurnLoop
 from pivot_hpc.planner import Snapshot, Topology, TrainingState, replica_id, role_of
 from pivot_hpc.planner.planner import make_strategy
 from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
@@ -49,14 +52,58 @@ def test_gpus_go_to_the_genrm_while_calls_are_long_and_stay_while_they_are_due()
     assert not any(role_of(r) == "rollout" for r in due.down)
 
 
-def test_due_within_uses_each_tools_measured_wait() -> None:
+def loop_with(waits: dict[str, list[float]], parked: dict[int, Parked]) -> TurnLoop:
     loop = TurnLoop.__new__(TurnLoop)  # (only its parked calls and measured waits)
-    loop._waits = {"slow": (300.0, 1), "fast": (2.0, 2)}
-    loop.stats = ToolStats()
-    loop.parked = {
-        0: Parked(None, since=100.0, tool="slow", rid=""),  # back at ~400 s
-        1: Parked(None, since=100.0, tool="fast", rid=""),  # back at ~101 s
-        2: Parked(None, since=100.0, tool="new", rid=""),  # no measurement: due at once
-    }
-    assert loop.due_within(now=110.0, horizon_s=60.0) == 2
-    assert loop.due_within(now=350.0, horizon_s=60.0) == 3
+    loop.waits = ToolWaits()
+    for tool, ws in waits.items():
+        for w in ws:
+            loop.waits.add(tool, w)
+    loop.parked = parked
+    return loop
+
+
+def test_due_within_uses_each_tools_measured_wait() -> None:
+    loop = loop_with(
+        {"slow": [300.0], "fast": [1.0, 3.0]},
+        {
+            0: Parked(None, since=100.0, tool="slow", rid=""),  # back at ~400 s
+            1: Parked(None, since=100.0, tool="fast", rid=""),  # back at ~102 s
+            2: Parked(None, since=100.0, tool="new", rid=""),  # pooled answers: ~201 s
+        },
+    )
+    assert loop.due_within(now=100.0, horizon_s=60.0) == 1  # "fast"
+    assert loop.due_within(now=350.0, horizon_s=60.0) == 2  # "slow" and "new": 50 s left
+    # "fast" waited 250 s, 247 s past its longest answer: not due
+
+
+def test_before_any_answer_every_call_is_due_at_once() -> None:
+    loop = loop_with({}, {0: Parked(None, since=0.0, tool="t", rid="")})
+    assert loop.due_within(now=500.0, horizon_s=0.0) == 1
+
+
+def test_a_call_that_outlived_its_tools_answers_is_not_due_forever() -> None:
+    """Bimodal waits (fast 1–2 s, slow ~200 s): the remaining wait is conditional on the
+    time waited. A call past the fast mode is expected to be slow; a call older than every
+    answer seen is expected to take as long again, not to be due at once (a mean would
+    count it due from its age on, and keep rollout GPUs for it); past the longest answer,
+    by as much again as it is past it."""
+    waits = {"search": [1.0, 1.5, 2.0, 1.2, 180.0, 220.0]}
+    parked = {0: Parked(None, since=0.0, tool="search", rid="")}
+    loop = loop_with(waits, parked)
+    assert loop.waits.remaining("search", 0.5) == pytest.approx(405.7 / 6 - 0.5)
+    assert loop.due_within(now=0.5, horizon_s=10.0) == 0  # the slow answers weigh in
+    assert loop.due_within(now=5.0, horizon_s=10.0) == 0  # past the fast mode: ~195 s left
+    assert loop.due_within(now=195.0, horizon_s=10.0) == 0  # 25 s left
+    assert loop.due_within(now=205.0, horizon_s=20.0) == 1  # 15 s left
+    assert loop.due_within(now=230.0, horizon_s=60.0) == 1  # just past the longest answer
+    assert loop.due_within(now=400.0, horizon_s=60.0) == 0  # long past it
+    assert loop.waits.remaining("search", 400.0) == 400.0 - 220.0
+
+
+def test_the_estimate_follows_the_recent_answers() -> None:
+    waits = ToolWaits()
+    for _ in range(WINDOW):
+        waits.add("t", 100.0)
+    for _ in range(WINDOW):
+        waits.add("t", 1.0)  # the tool became fast: the old answers leave the window
+    assert waits.remaining("t", 0.0) == pytest.approx(1.0)

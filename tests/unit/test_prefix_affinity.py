@@ -55,7 +55,7 @@ def test_prefix_due_counts_the_incarnation_and_the_horizon() -> None:
         turns.on_turn(s, SequenceFinished(0.0, "rollout", rid, sid, length, 5, None))
     # no answered call yet: every call is due at once
     assert turns.prefix_due(0.0, 10.0) == {"rollout:0": (2, 400), "rollout:1": (1, 50)}
-    turns._waits = {"calculator": (100.0, 1)}  # calls take 100 s: none due within 10 s
+    turns.waits.add("calculator", 100.0)  # calls take 100 s: none due within 10 s
     assert turns.prefix_due(0.0, 10.0) == {}
     assert turns.prefix_due(95.0, 10.0) == {"rollout:0": (2, 400), "rollout:1": (1, 50)}
     # rollout:1 came back up as a fresh engine: its cache is gone, nothing to lose
