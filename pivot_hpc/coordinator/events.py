@@ -76,10 +76,13 @@ class ReplicaFailed:
 @dataclass(frozen=True)
 class ToolReturned:
     """The outcome of a tool call the coordinator made (`Cluster.call_tool`): a node's
-    sandbox ran it (live) or its simulated latency passed (simulator)."""
+    sandbox ran it (live) or its simulated latency passed (simulator). `node`: the index
+    of the node whose sandbox service answered (live); -1 where no node's service did
+    (the simulator, which models no sandbox placement)."""
 
     t: float
     result: ToolResult
+    node: int = -1
 
 
 Event = SequenceFinished | ShiftDone | TrainingDone | WeightsUpdated | ReplicaFailed | ToolReturned

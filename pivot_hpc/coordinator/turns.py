@@ -273,6 +273,7 @@ class TurnLoop:
             status=res.status,
             wait_s=wait,
             tool_s=res.seconds,
+            node=ev.node,
         )
         context = self.source.observe(s, res)
         if context is None:  # the observation left no room: the trajectory ends here

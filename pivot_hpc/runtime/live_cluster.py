@@ -11,8 +11,9 @@ Tool calls (tools.enabled, coordinator/turns.py) go to the sandbox service of a 
 node with the fewest calls outstanding (ties: the lowest), leaving out nodes whose service
 is gone. Node 0's service belongs to this rank (rank 0 is node 0's host rank): it is
 called in-process and polled with MPI's events; the other nodes' host ranks take
-`ToolCall` commands and send `ToolResult` events (runtime/host_tools.py). `stop` collects
-the results still owed by other nodes before it sends `Stop`.
+`ToolCall` commands and send `ToolResult` events (runtime/host_tools.py). Each
+`ToolReturned` names the node the call was sent to (telemetry `tool_calls.node`). `stop`
+collects the results still owed by other nodes before it sends `Stop`.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ class LiveCluster:
             raise WorkerFailed(f"a result for tool call {result.call_id}, which is not running")
         if result.status == "unavailable":  # its service is gone or unhealthy: no more calls
             self._tool_gone.add(node)
-        self._pending.append(ToolReturned(self.now(), result))
+        self._pending.append(ToolReturned(self.now(), result, node))
 
     def _poll_local_tools(self) -> None:
         if self._local is not None:

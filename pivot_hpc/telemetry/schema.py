@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 # 2: + `trained`, `checkpoints`, `evals`; 3: + steps' `made_*_tokens`; 4: + `failures`;
-# 5: + `tool_calls`, trained's `tool_calls`, throughput's `n_parked`
+# 5: + `tool_calls`, trained's `tool_calls`, throughput's `n_parked`; later in 5, the
+# optional `tool_calls.node` (files without it read -1)
 SCHEMA_VERSION = 5
 
 # Fixed-length byte strings keep the datasets readable by plain h5py/numpy (no vlen types).
@@ -173,6 +174,12 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
         ),
         ("wait_s", "f8", "s", "from the call's issue to its result: the trajectory's parked time"),
         ("tool_s", "f8", "s", "of which: the call's run in the sandbox (simulated: its latency)"),
+        (
+            "node",
+            "i4",
+            "",
+            "index of the node whose sandbox service answered (-1: simulated, or not recorded)",
+        ),
     ],
 }
 # Datasets added after schema version 1: a file of an older version reads them as empty.
@@ -183,6 +190,7 @@ OPTIONAL: dict[str, dict[str, float]] = {
     "steps": {"made_rollout_tokens": float("nan"), "made_reward_tokens": float("nan")},
     "trained": {"tool_calls": 0},
     "throughput": {"n_parked": 0},
+    "tool_calls": {"node": -1},
 }
 
 DATASETS: tuple[str, ...] = tuple(FIELDS)

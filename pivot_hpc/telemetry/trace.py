@@ -286,6 +286,7 @@ def _tool_events(run: Run, events: list[dict[str, Any]], max_lanes: int) -> int:
                     "sample_id": int(row["sample_id"]),
                     "call_id": int(row["call_id"]),
                     "turn": int(row["turn"]),
+                    "node": int(row["node"]),  # whose sandbox answered (-1: not recorded)
                     "wait_s": float(wait[i]),
                     "tool_s": tool_s if math.isfinite(tool_s) else None,
                 },

@@ -3,7 +3,8 @@
 - slurm/pivot.sbatch runs configs/tiny.yaml to completion; the sacct stand-in answers
   submitit's query; a wrong allocation is refused before anything starts.
 - A two-node world: GPS over real Slurm nodes (node-local windows, remote RMA) and a live
-  run with cluster.nodes=2.
+  run with cluster.nodes=2 of configs/tiny-tools.yaml, whose tool calls the coordinator
+  routes to both nodes' sandbox services (node 1's over MPI to its host rank).
 - `pivot-hpc submit` (submitit) runs a short job to completion.
 - Checkpoint → requeue → resume on a signal, through pivot.sbatch and through submitit.
   These two depend on the runtime's checkpoint/resume work (runtime/stop.py,
@@ -26,6 +27,7 @@ from pivot_hpc.telemetry import open_run
 from tests.slurm.conftest import ROOT, SCRIPT, Slurm
 
 TINY = "configs/tiny.yaml"
+TOOLS = "configs/tiny-tools.yaml"
 SHORT = ["loop.steps=2", "loop.batch_prompts=4"]
 JOB_WAIT_S = 420  # one allocation of a tiny run: ~40-70 s here, more on a busy machine
 
@@ -40,14 +42,16 @@ def logs(out: Path) -> str:
     return f"{out.read_text() if out.exists() else '(no stdout)'}\n--- stderr tail:\n{tail}"
 
 
-def sbatch_tiny(slurm: Slurm, tmp: Path, *args: str, overrides=SHORT, env=None) -> str:
+def sbatch_tiny(
+    slurm: Slurm, tmp: Path, *args: str, overrides=SHORT, env=None, config: str = TINY
+) -> str:
     return slurm.sbatch(
         "--time=10",
         f"--output={tmp}/%j.out",
         f"--error={tmp}/%j.err",
         *args,
         "slurm/pivot.sbatch",
-        TINY,
+        config,
         str(tmp / "run"),
         *overrides,
         env=env,
@@ -137,15 +141,29 @@ def test_gps_across_two_slurm_nodes(slurm_cluster: Slurm) -> None:
     assert "GPS-OK read_matrix" in p.stdout and "GPS-OK roundtrip" in p.stdout
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)  # includes building the tools models when nothing cached them
 def test_two_node_live_run(slurm_cluster: Slurm, tmp_path: Path) -> None:
-    """cluster.nodes=2: 2 × (2 device slots + 1 host rank), one MPI world over n1 and n2."""
+    """cluster.nodes=2: 2 × (2 device slots + 1 host rank), one MPI world over n1 and n2,
+    running configs/tiny-tools.yaml: the policy calls the calculator, and the coordinator
+    sends each call to the node with the fewest calls outstanding — node 0's sandbox
+    service in-process, node 1's through its host rank over MPI (runtime/live_cluster.py).
+    Telemetry names the node that answered each call: both did, every call was answered
+    by the calculator itself (no service unavailable, crashed or timed out), and every
+    sample was trained once."""
+    from pivot_hpc.config import load_config
+    from pivot_hpc.recipes.tiny_models import ensure_models
+
+    # The job finds the tools policy and GenRM in the cache this process uses (sbatch
+    # passes HOME and PIVOT_HPC_CACHE on): tests/engines and tests/mpi have built them in a
+    # full run; alone, build them here rather than in the job (minutes each on 2 cores).
+    ensure_models(load_config(ROOT / TOOLS).models, progress=False)
     job = sbatch_tiny(
         slurm_cluster,
         tmp_path,
         "--nodes=2",
         "--ntasks-per-node=3",
-        overrides=[*SHORT, "cluster.nodes=2", "cluster.gpus_per_node=2"],
+        config=TOOLS,
+        overrides=[*SHORT, "loop.eval_problems=0", "cluster.nodes=2", "cluster.gpus_per_node=2"],
         env=slurm_cluster.env(two_nodes=True),
     )
     out = tmp_path / f"{job}.out"
@@ -154,7 +172,25 @@ def test_two_node_live_run(slurm_cluster: Slurm, tmp_path: Path) -> None:
     assert "on n[1-2] (6 tasks)" in out.read_text()
     r = open_run(tmp_path / "run")
     assert [int(s) for s in r["steps"]["step"]] == [0, 1]
-    assert r.config["cluster"]["nodes"] == 2
+    assert r.config["cluster"]["nodes"] == 2 and r.config["tools"]["enabled"]
+    trained, calls = r["trained"], r["tool_calls"]
+    ids = sorted(int(i) for i in trained["sample_id"])
+    assert ids == list(range(2 * 4 * 4)), ids  # 2 steps × 4 prompts × 4 samples, each once
+    # Every call a trained trajectory made was answered; the rest belong to trajectories
+    # of the batch after the last step, in flight when the run ended.
+    assert len(calls) >= int(trained["tool_calls"].sum()) > 0, logs(out)
+    nodes = [int(n) for n in calls["node"]]
+    statuses = [str(s) for s in calls["status"]]
+    seen = f"nodes {nodes}, statuses {statuses}\n{logs(out)}"
+    assert set(nodes) == {0, 1}, seen
+    # "error" is the calculator refusing an expression the sampled policy wrote badly: its
+    # sandbox ran it and answered. Anything else would be the service or the route failing.
+    assert set(statuses) <= {"ok", "error"}, seen
+    assert statuses.count("ok") >= 0.8 * len(statuses), seen
+    for node in (0, 1):
+        mine = [s for n, s in zip(nodes, statuses, strict=True) if n == node]
+        assert "ok" in mine, seen
+    assert (calls["tool_s"] <= calls["wait_s"] + 1e-6).all()
 
 
 @pytest.mark.timeout(600)

@@ -1,7 +1,8 @@
 """Tool calls in the trace and the report (issue 37 §7): a slice per answered call over
 its trajectory's parked wait, on a bounded number of lanes; the parked trajectories as a
 counter; `report --json`'s `tool_latency` per tool; files older than schema 5 still
-trace and report, without any of it."""
+trace and report, without any of it. Each row names the node whose sandbox service
+answered (`node`: live, the node the call was routed to; -1 simulated or not recorded)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,19 @@ import h5py
 import numpy as np
 import pytest
 
+from pivot_hpc.agentic.messages import ToolResult
 from pivot_hpc.cli.main import main
+from pivot_hpc.coordinator.events import ToolReturned
+from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.coordinator.turns import Turn
 from pivot_hpc.telemetry import TelemetryWriter, open_run
 from pivot_hpc.telemetry.errors import printable
 from pivot_hpc.telemetry.summary import format_summary, summarise, tool_latency
 from pivot_hpc.telemetry.trace import MAX_TOOL_LANES, TOOLS_PID, build
+from tests.unit import test_live_tool_routing as routing
+from tests.unit.test_turn_loop import Script, finished, loop
 
+live = routing.live  # the fixture: runtime/live_cluster.py over a fake mpi4py.MPI
 CONFIG = {"cluster": {"nodes": 2, "gpus_per_node": 4}}  # `trace` lays it out: 8 GPUs
 # t (result), sample_id, call_id, turn, tool, status, wait_s, tool_s
 CALLS = [
@@ -76,8 +84,8 @@ def test_trace_has_a_slice_per_call_on_reused_lanes(tmp_path: Path) -> None:
         assert ev["ts"] == pytest.approx((t - wait_s) * 1e6)
         assert ev["dur"] == pytest.approx(wait_s * 1e6)
         assert ev["args"] == {"tool": tool, "status": status, "sample_id": sid,
-                              "call_id": cid, "turn": turn, "wait_s": wait_s,
-                              "tool_s": tool_s}  # fmt: skip
+                              "call_id": cid, "turn": turn, "node": -1,
+                              "wait_s": wait_s, "tool_s": tool_s}  # fmt: skip
     assert [ev["tid"] for ev in slices] == [0, 1, 0, 2, 0]
     for lane in {ev["tid"] for ev in slices}:  # no two calls overlap on a lane
         mine = sorted((ev["ts"], ev["ts"] + ev["dur"]) for ev in slices if ev["tid"] == lane)
@@ -222,3 +230,44 @@ def test_rows_without_a_time_are_not_drawn(tmp_path: Path) -> None:
     assert [(ev["ts"], ev["dur"]) for ev in slices] == [(2e6, 0.0), (3e6, 0.0)]
     assert slices[0]["args"]["tool_s"] is None
     json.dumps(trace, allow_nan=False)  # strict JSON: no NaN reaches the file
+
+
+def test_each_call_names_the_node_that_answered_it(tmp_path: Path, live) -> None:
+    """Live: the node a call was routed to is on its `ToolReturned` and, through the turn
+    loop, on its telemetry row; the simulator's events (no node) write -1."""
+    c, sent, _ = routing.cluster(live, nodes=3)
+    for i in range(3):
+        c.call_tool(routing.call(i))  # node 0 in-process, 1 and 2 over MPI
+    for _rank, cmd in sent:
+        c._tool_result(ToolResult(cmd.call_id, "ok", "2", 0.01))
+    c._poll_local_tools()
+    assert sorted((e.result.call_id, e.node) for e in c._pending) == [(0, 0), (1, 1), (2, 2)]
+
+    calc = Turn("call", tool="calculator", args_json="{}")
+    turns, coord, _ = loop(Script([calc, calc], [150, 160]))
+    with TelemetryWriter(tmp_path, meta={"mode": "pivot"}) as w:
+        coord.telemetry = w
+        for sid, node in ((1, 1), (2, -1)):
+            s = Sample(sid, 0, 0, 0, prompt_len=100)
+            turns.on_turn(s, finished(s))
+            res = ToolResult(coord.calls[-1].call_id, "ok", "2", 0.1)
+            ev = ToolReturned(2.0, res) if node == -1 else ToolReturned(2.0, res, node)
+            turns.on_result(ev)  # -1: the simulator's event, which names no node
+    rows = open_run(tmp_path)["tool_calls"]
+    assert [(int(r["sample_id"]), int(r["node"])) for r in rows] == [(1, 1), (2, -1)]
+
+
+def test_rows_without_a_node_read_minus_one(tmp_path: Path) -> None:
+    """A writer that leaves `node` out writes -1; a schema-5 file written before the field
+    existed reads -1 too, and still reports and traces."""
+    path = write_tool_run(tmp_path)
+    assert (open_run(tmp_path)["tool_calls"]["node"] == -1).all()
+    with h5py.File(path, "r+") as f:  # rewrite its calls as the first schema-5 files had them
+        old = f["tool_calls"][...]
+        del f["tool_calls"]
+        keep = [n for n in old.dtype.names if n != "node"]
+        f.create_dataset("tool_calls", data=old[keep], maxshape=(None,), chunks=True)
+    calls = open_run(tmp_path)["tool_calls"]
+    assert len(calls) == len(CALLS) and (calls["node"] == -1).all()
+    assert summarise(open_run(tmp_path))["tool_calls"] == len(CALLS)
+    assert len(_cat(_trace(tmp_path), "tool")) == len(CALLS)
