@@ -258,11 +258,16 @@ class Coordinator:
         ):
             batch = self.rl.release()
             self.steps[batch[0].step] = StepLog(start=self.cluster.now())
-            sched = self.schedulers["rollout"]
             for s in batch:
                 self.samples[s.sample_id] = s
-                sched.submit(SeqState(s.sample_id, s.prompt_len, s))
+                self._submit_rollout(s, s.prompt_len)
         self.dispatch("rollout")
+
+    def _submit_rollout(self, s: Sample, length: int) -> None:
+        """Queue `s`'s rollout (its turn, with tools: the turn loop times it)."""
+        self.schedulers["rollout"].submit(SeqState(s.sample_id, length, s))
+        if self.turns is not None:
+            self.turns.queued(s.sample_id)
 
     def restore(
         self, batches: dict[int, list[Sample]], generated: dict[tuple[str, int], int]
@@ -285,7 +290,10 @@ class Coordinator:
                 role = "reward" if s.rolled_out else "rollout"
                 context = s.reward_context if s.rolled_out else s.turn_context
                 length = context + generated.get((role, s.sample_id), 0)
-                self.schedulers[role].submit(SeqState(s.sample_id, length, s))
+                if role == "rollout":
+                    self._submit_rollout(s, length)
+                else:
+                    self.schedulers[role].submit(SeqState(s.sample_id, length, s))
 
     def dispatch(self, role: str) -> None:
         if self.draining or self.shifts.hold_dispatch:
@@ -297,6 +305,8 @@ class Coordinator:
         s = self.samples[seq_id]
         if role == "rollout" and s.version_start < 0:
             s.version_start = self.shifts.replica_version.get(rid, self.rl.version)
+        if role == "rollout" and self.turns is not None:
+            self.turns.dispatched(seq_id)
         self.cluster.start(rid, s, role)
 
     def finish_early(self, ev: SequenceFinished) -> None:
@@ -340,7 +350,7 @@ class Coordinator:
                 del self.samples[x.sample_id]
             for x in fresh:
                 self.samples[x.sample_id] = x
-                self.schedulers["rollout"].submit(SeqState(x.sample_id, x.prompt_len, x))
+                self._submit_rollout(x, x.prompt_len)
             if fresh:
                 self.dispatch("rollout")
         self.dispatch(ev.role)

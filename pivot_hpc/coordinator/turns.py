@@ -27,6 +27,11 @@ Accounting: the sample is rolled out once, when its trajectory ends (`RLState.ro
 with the whole response, generated and observation tokens: what training sees); each
 turn's generated tokens count toward the step's rollout tokens when the turn finishes;
 `version_start` is set by the first turn only, so staleness is the trajectory's.
+
+Telemetry: a `tool_calls` row per answered call (its parked wait) and a `turns` row per
+finished turn: how long it was queued (submit to first dispatch: the coordinator tells the
+loop of both, `queued`/`dispatched`) and generated (first dispatch to finish, migrations
+included). The loop holds two times per turn in flight, dropped when the turn finishes.
 """
 
 from __future__ import annotations
@@ -148,6 +153,9 @@ class TurnLoop:
         self._next_call = 0
         self.horizon_s = horizon_s  # the planner's H: parked work due back within it
         self.waits = ToolWaits()  # answered calls' waits: what a call still out is due
+        # sample id -> [submit time, first dispatch time (-1: not yet)] of its turn in
+        # flight (queued or running): the `turns` row's split; dropped when it finishes
+        self._turn_t: dict[int, list[float]] = {}
 
     @property
     def n_parked(self) -> int:
@@ -185,9 +193,39 @@ class TurnLoop:
         """The scheduler position of the replica a turn ran on (-1: gone by now)."""
         return self.coord.schedulers["rollout"].replicas.get(ev.rid, -1)
 
+    def queued(self, sample_id: int) -> None:
+        """A turn's sequence was submitted to the rollout scheduler (the coordinator's
+        release, resample and restore; `_queue`): its queued time starts now."""
+        self._turn_t[sample_id] = [self.coord.cluster.now(), -1.0]
+
+    def dispatched(self, sample_id: int) -> None:
+        """A rollout sequence was started on a replica: the first start of its turn ends
+        the queued time (a migration's restart does not)."""
+        t = self._turn_t.get(sample_id)
+        if t is not None and t[1] < 0:
+            t[1] = self.coord.cluster.now()
+
+    def _turn_row(self, s: Sample, ev: SequenceFinished) -> None:
+        """The `turns` row of the turn of `s` that `ev` finished (none when its submit or
+        dispatch went unseen)."""
+        t = self._turn_t.pop(s.sample_id, None)
+        if t is None or t[1] < 0:
+            return
+        self.coord.telemetry.turn(
+            ev.t,
+            sample_id=s.sample_id,
+            turn=s.turn,
+            replica=ev.rid,
+            queued_s=max(0.0, t[1] - t[0]),
+            gen_s=max(0.0, ev.t - t[1]),
+            tokens=ev.generated,
+            context=s.turn_context,
+        )
+
     def on_turn(self, s: Sample, ev: SequenceFinished) -> bool:
         """A rollout turn of `s` finished (the scheduler has let it go): True when its
         trajectory is over (the caller rolls it out), False when it goes on."""
+        self._turn_row(s, ev)
         s.turn += 1
         self.stats.turns += 1
         turn = self.source.turn(s, ev.generated, ev.result, self._next_call)
@@ -288,6 +326,7 @@ class TurnLoop:
         s.context_len = context
         seq = SeqState(s.sample_id, context, s, affinity=affinity)
         self.coord.schedulers["rollout"].submit(seq)
+        self.queued(s.sample_id)
         self.coord.dispatch("rollout")
 
     def _ended(self, s: Sample) -> None:

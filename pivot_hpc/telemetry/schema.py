@@ -11,8 +11,8 @@ import numpy as np
 
 # 2: + `trained`, `checkpoints`, `evals`; 3: + steps' `made_*_tokens`; 4: + `failures`;
 # 5: + `tool_calls`, trained's `tool_calls`, throughput's `n_parked`; later in 5, the
-# optional `tool_calls.node` (files without it read -1)
-SCHEMA_VERSION = 5
+# optional `tool_calls.node` (files without it read -1); 6: + `turns`
+SCHEMA_VERSION = 6
 
 # Fixed-length byte strings keep the datasets readable by plain h5py/numpy (no vlen types).
 ROLE = "S16"
@@ -181,9 +181,31 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
             "index of the node whose sandbox service answered (-1: simulated, or not recorded)",
         ),
     ],
+    "turns": [
+        ("t", "f8", "s", "time the turn finished"),
+        ("sample_id", "i8", "", "the trajectory (sample) the turn belongs to"),
+        (
+            "turn",
+            "i4",
+            "turns",
+            "the turn's index in its trajectory, from 0 (= tool_calls.turn of the call "
+            "whose wait preceded it)",
+        ),
+        ("replica", REPLICA, "", "rollout replica the turn finished on"),
+        (
+            "queued_s",
+            "f8",
+            "s",
+            "from its sequence's submit (release, or the previous turn's end or call "
+            "result) to its first dispatch",
+        ),
+        ("gen_s", "f8", "s", "from its first dispatch to its finish, migrations included"),
+        ("tokens", "i8", "tokens", "tokens the turn generated"),
+        ("context", "i8", "tokens", "its prompt: the trajectory's context when it started"),
+    ],
 }
 # Datasets added after schema version 1: a file of an older version reads them as empty.
-ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2, "failures": 4, "tool_calls": 5}
+ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2, "failures": 4, "tool_calls": 5, "turns": 6}
 # Optional fields: a writer may leave them out and a file of an older version lacks them;
 # both read as this value.
 OPTIONAL: dict[str, dict[str, float]] = {

@@ -42,6 +42,9 @@ Definitions (also in analysis/README.md):
   and `tool_latency` per tool (names and statuses made printable): calls, statuses
   {status: calls}, the parked wait's p50/p90/max (`wait_s_*`, linear-interpolated
   percentiles) and the mean seconds in the sandbox (`tool_s_mean`); {} without calls.
+- turns (`turns` rows, schema 6; tools runs only): `turns` finished, and their mean seconds
+  queued for a slot (`turn_queued_s_mean`) and generating (`turn_gen_s_mean`, migrations
+  included); None without rows. The parked wait between turns is `tool_wait_s_mean`.
 """
 
 from __future__ import annotations
@@ -369,6 +372,7 @@ def summarise(run: Run) -> dict[str, Any]:
         "migration_per_seq": mig,
         **failure_counts(run["failures"]),
         **tool_counts(run["tool_calls"], run["trained"]),
+        **turn_splits(run["turns"]),
     }
     return _json_safe(out)
 
@@ -383,6 +387,22 @@ def tool_counts(calls: np.ndarray, trained: np.ndarray) -> dict[str, Any]:
         else None,
         "tool_wait_s_mean": float(calls["wait_s"].mean()) if len(calls) else None,
         "tool_latency": tool_latency(calls),
+    }
+
+
+def turn_splits(turns: np.ndarray) -> dict[str, Any]:
+    """Generation turns of tool-using runs finished, and their mean seconds queued for a
+    slot and generating (None without any; NaN rows left out)."""
+
+    def mean(x: np.ndarray) -> float | None:
+        x = x.astype(np.float64)
+        x = x[np.isfinite(x)]
+        return float(x.mean()) if len(x) else None
+
+    return {
+        "turns": len(turns),
+        "turn_queued_s_mean": mean(turns["queued_s"]),
+        "turn_gen_s_mean": mean(turns["gen_s"]),
     }
 
 
@@ -508,6 +528,13 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{_num(s['tool_call_trajectory_share'], '{:.1%}')} of trained trajectories called   "
             f"mean wait {_num(s['tool_wait_s_mean'], '{:.3f}')} s"
         )
+    if s.get("turns"):
+        lines.append(
+            f"turns      {s['turns']} finished   mean queued "
+            f"{_num(s.get('turn_queued_s_mean'), '{:.3f}')} s   mean generating "
+            f"{_num(s.get('turn_gen_s_mean'), '{:.3f}')} s"
+        )
+    if s.get("tool_calls"):
         lines.extend(_tool_table(s.get("tool_latency") or {}))
     if s.get("engine_failures"):
         excluded = ", ".join(s["engines_excluded"]) or "none"

@@ -186,6 +186,9 @@ class TelemetryWriter:
     def tool_call(self, t: float, /, **fields: Any) -> None:
         self._append("tool_calls", t=t, **fields)
 
+    def turn(self, t: float, /, **fields: Any) -> None:
+        self._append("turns", t=t, **fields)
+
     def _append(self, name: str, **fields: Any) -> None:
         names = DTYPES[name].names
         fields = OPTIONAL.get(name, {}) | fields
