@@ -11,6 +11,7 @@ here the same way for all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -412,7 +413,8 @@ class Coordinator:
         model = self.training_time
         step_time = None
         if model is not None and model.ready():
-            step_time = lambda gpus: model.step_time(lengths, gpus)  # noqa: E731
+            # asked for a few sizes, each many times (elastic.py): each costs a pass
+            step_time = functools.cache(lambda gpus: model.step_time(lengths, gpus))
         moving = [*self.shifts.shifting, *self.shifts.pending_up]
         work = self._inference_work()
         inputs = ElasticInputs(

@@ -204,9 +204,7 @@ class ShiftExecutor:
         started = self._shift_t0.pop(rid, None)
         if self.clock is not None and started is not None:
             self.clock.observe(role, ev.kind, ev.t - started)
-            self.c.topology = dataclasses.replace(
-                self.c.topology, shift_time=self.clock.shift_times()
-            )
+            self.c.topology = self.c.topology.with_shift_time(self.clock.shift_times())
         plan_id, phi, benefit = self.plan_of.pop(rid, (0, 0.0, 0.0))
         gpus = len(self.c.topology.gpus_of(rid))
         ph = ev.phases

@@ -14,6 +14,7 @@ reward with their scheduler states, and the training state. Replica ids are
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -104,6 +105,13 @@ class Topology:
         for s, gpus in self.elastic.items():
             if len(gpus) != self.training_tp or base & set(gpus):
                 raise SnapshotError(f"training extension {s}: GPUs {gpus} overlap training's")
+
+    def with_shift_time(self, shift_time: ShiftTimes) -> Topology:
+        """This topology with refitted shift times (at every shift done): the slots are
+        unchanged, so it skips `__post_init__`'s check of every slot's GPUs."""
+        out = copy.copy(self)
+        object.__setattr__(out, "shift_time", shift_time)
+        return out
 
     @classmethod
     def build(

@@ -67,6 +67,10 @@ PRIORITIES: dict[str, PriorityKey] = {
 
 QUEUED = -1
 GONE = -2
+# Dispatch into a long queue reads its first _HEAD entries with the submissions not yet
+# merged (`_head`), which are merged into the queue itself once _MERGE_PENDING wait.
+_HEAD = 32
+_MERGE_PENDING = 32
 DENSE_IDS = 1 << 24  # sequence ids below this are also indexed by a dense array
 
 
@@ -272,8 +276,9 @@ class Scheduler:
     @property
     def n_idle_replicas(self) -> int:
         """Active replicas running no sequence."""
-        m = len(self._rid_of)
-        return int(((self.n[:m] == 0) & (self.active[:m] != 0)).sum())
+        # asked at every event batch: an inactive replica runs nothing (check_invariants),
+        # so the idle ones are the active ones less those running something
+        return len(self.replicas) - int(np.count_nonzero(self.n[: len(self._rid_of)]))
 
     def throughput(self) -> float:
         """Aggregate estimated throughput of the role (sum of replica T_i)."""
@@ -320,9 +325,8 @@ class Scheduler:
     def location(self, seq_id: int) -> str | None:
         """The replica running `seq_id`; None if it waits in the queue or is unknown."""
         q = self._q_of.get(seq_id)
-        if q is None or self.seq_rep[q] < 0:
-            return None
-        return self._rid_of[int(self.seq_rep[q])]
+        p = -1 if q is None else int(self.seq_rep[q])
+        return None if p < 0 else self._rid_of[p]
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._q_of
@@ -435,6 +439,11 @@ class Scheduler:
             return
         self.seq_rep[qs] = QUEUED
         keys = self._keys(qs)
+        if len(qs) == 1:  # the common case (a submit, then a dispatch): two copies, no mask
+            i = int(np.searchsorted(self._qkey, keys[0], side="right"))
+            self._qkey = np.concatenate((self._qkey[:i], keys, self._qkey[i:]))
+            self._qpos = np.concatenate((self._qpos[:i], qs, self._qpos[i:]))
+            return
         order = np.argsort(keys)  # keys are unique (they end in the sequence id)
         keys, qs = keys[order], qs[order]
         # merge two sorted runs: new item i lands at (old items before it) + i
@@ -639,40 +648,73 @@ class Scheduler:
     ) -> list[tuple[int, str]]:
         """Dispatch waiting sequences in priority order to the max-ΔT replica with room
         (or a sequence's preferred one within `affinity_slack`, see the module docstring)."""
-        self._flush()
-        if not len(self._qpos):
+        if not self.n_queued:
             return []
-        order = self._qpos
         m = len(self._rid_of)
-        placed = kernels.dispatch_order(
-            order,
-            self.seq_len,
-            self.seq_rep,
-            self.seq_pref,
-            self.affinity_slack,
-            self._candidates(targets),
-            self.n[:m],
-            self.tok[:m],
-            self.cap[:m],
-            self._caps(m),
-            self.kind[:m],
-            self.A[:m],
-            self.B[:m],
-            self.C[:m],
-            self.D[:m],
-            self.T[:m],
-        )
-        if not placed:
+        cand, caps = self._candidates(targets), self._caps(m)
+        done = []  # positions placed, in dispatch order
+        while self.n_queued:
+            order, merged = self._head()
+            placed = kernels.dispatch_order(
+                order,
+                self.seq_len,
+                self.seq_rep,
+                self.seq_pref,
+                self.affinity_slack,
+                cand,
+                self.n[:m],
+                self.tok[:m],
+                self.cap[:m],
+                caps,
+                self.kind[:m],
+                self.A[:m],
+                self.B[:m],
+                self.C[:m],
+                self.D[:m],
+                self.T[:m],
+            )
+            self._take(order[:placed], merged)
+            done.append(order[:placed])
+            if placed < len(order):  # one fits nowhere: the rest waits behind it
+                break
+        qs = np.concatenate(done)
+        if not len(qs):
             return []
         self._run_order = None
-        out = []
-        if record:
-            rep, ids, rid_of = self.seq_rep, self.seq_id, self._rid_of
-            out = [(int(ids[q]), rid_of[rep[q]]) for q in order[:placed]]
-        self._qpos = self._qpos[placed:]
-        self._qkey = self._qkey[placed:]
-        self._n_running += placed
-        return out
+        self._n_running += len(qs)
+        if not record:
+            return []
+        rid_of = self._rid_of
+        ids, reps = self.seq_id[qs].tolist(), self.seq_rep[qs].tolist()
+        return [(i, rid_of[p]) for i, p in zip(ids, reps, strict=True)]
+
+    def _head(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The waiting queue in priority order, for a dispatch: all of it; or, while a few
+        submissions wait to be merged into a long queue, only its first `_HEAD` entries
+        with those of them that come before the rest (merging into a queue of Q costs
+        O(Q); at every submit, a long reward queue made that quadratic). A dispatch rarely
+        places more than a few; when it places all, `dispatch` asks for the next head.
+        Also returns, for a head, which of its entries are merged ones (else None)."""
+        pending = self._pending
+        if not pending or len(pending) >= _MERGE_PENDING or len(self._qkey) <= 4 * _HEAD:
+            self._flush()
+            return self._qpos, None
+        qs = np.array(pending, np.int64)
+        keys = self._keys(qs)
+        before = keys < self._qkey[_HEAD]  # the others come after the head: they wait
+        qs, keys = qs[before], keys[before]
+        order = np.argsort(np.concatenate((self._qkey[:_HEAD], keys)))  # keys are unique
+        return np.concatenate((self._qpos[:_HEAD], qs))[order], order < _HEAD
+
+    def _take(self, placed: np.ndarray, merged: np.ndarray | None) -> None:
+        """Drop the dispatched first entries `placed` of a `_head` from the queue."""
+        n = len(placed)
+        c = n if merged is None else int(np.count_nonzero(merged[:n]))
+        self._qpos = self._qpos[c:]
+        self._qkey = self._qkey[c:]
+        if c < n:  # merged is not None: some were pending
+            gone = set(placed[~merged[:n]].tolist())
+            self._pending = [q for q in self._pending if q not in gone]
 
     # ------------------------------------------------ Alg. 3 and Alg. 4
     def shift_down(self, rids: Iterable[str], *, record: bool = True) -> MigrationResult:

@@ -84,6 +84,48 @@ class _Seq:
     finish_at: float  # iteration count at which it completes
 
 
+class _Offsets:
+    """seq id -> length0 − base of a replica's running sequences (a dict's item API), also
+    held as two arrays (a deletion moves the last entry into the gap) so that `lengths`,
+    asked every tick, reads them as they are instead of converting a dict per replica."""
+
+    __slots__ = ("ids", "off", "pos")
+
+    def __init__(self) -> None:
+        self.pos: dict[int, int] = {}  # seq id -> its index in ids and off
+        self.ids = np.empty(16, np.int64)
+        self.off = np.empty(16)
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+    def __setitem__(self, sid: int, value: float) -> None:
+        i = self.pos.get(sid)
+        if i is None:
+            i = self.pos[sid] = len(self.pos)
+            if i == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.empty(i, np.int64)])
+                self.off = np.concatenate([self.off, np.empty(i)])
+            self.ids[i] = sid
+        self.off[i] = value
+
+    def __delitem__(self, sid: int) -> None:
+        i = self.pos.pop(sid)
+        last = len(self.pos)
+        if i != last:
+            moved = int(self.ids[last])
+            self.ids[i], self.off[i] = moved, self.off[last]
+            self.pos[moved] = i
+
+    def clear(self) -> None:
+        self.pos.clear()
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, offsets) of the running sequences, in no particular order (views)."""
+        n = len(self.pos)
+        return self.ids[:n], self.off[:n]
+
+
 @dataclass
 class _Replica:
     """Sequences advance together: one replica-wide iteration counter, O(1) to advance."""
@@ -98,11 +140,9 @@ class _Replica:
     t_last: float = 0.0
     busy_until: float = 0.0  # prefill or weight load: no decoding before this
     version: int = 0  # event stamp for lazy invalidation
-    offsets: dict[int, float] = field(default_factory=dict)  # seq id -> length0 − base
+    offsets: _Offsets = field(default_factory=_Offsets)  # seq id -> length0 − base
     waiting: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     # ^ engine queue: seq id -> (context, generated, target), retracted or arrived while full
-    lengths_cache: tuple[np.ndarray, np.ndarray] | None = None  # (ids, length − iters)
-    lengths_grow: int = 0  # the first this many of the cache are running (they grow)
     fixed_n: int = -1  # membership size `fixed` was computed for
     fixed: float = 0.0  # F(n): the step time at zero tokens held
     # a dead engine (sim.failures): seq id -> (context, generated) it answers aborts with
@@ -260,7 +300,6 @@ class SimCluster:
         r.cached.clear()
         r.dead = kept
         r.version += 1  # its pending finish is void
-        r.lengths_cache = None
         self.deaths += 1
         self._restart.add(r.rid)
         return ReplicaFailed(
@@ -290,7 +329,6 @@ class SimCluster:
 
     def _schedule(self, r: _Replica) -> None:
         r.version += 1
-        r.lengths_cache = None  # called after every membership change
         if not r.seqs:
             return
         n = len(r.seqs)
@@ -499,28 +537,28 @@ class SimCluster:
         return self._held.pop((role, seq_id))
 
     def lengths(self, role: str) -> SeqLengths:
-        ids, lens = [], []
+        """Context lengths of `role`'s sequences on the engines: running ones (in no
+        particular order; the scheduler indexes them by id), then those an engine queues."""
+        ids, offs, adds, counts = [], [], [], []
         for r in self._replicas.values():
             if r.role != role or not (r.seqs or r.waiting):
                 continue  # (an empty engine's clock is brought forward when work arrives)
             self._advance(r)
-            if r.lengths_cache is None:
-                n, w = len(r.seqs), len(r.waiting)
-                sid = np.fromiter(r.seqs, np.int64, n)
-                off = np.fromiter(r.offsets.values(), float, n)  # same order as r.seqs
-                wid = np.fromiter(r.waiting, np.int64, w)
-                wlen = np.fromiter((x[0] for x in r.waiting.values()), float, w)
-                # running sequences grow with the replica's iteration count, waiting ones not
-                r.lengths_cache = (np.concatenate([sid, wid]), np.concatenate([off, wlen]))
-                r.lengths_grow = n
-            sid, off = r.lengths_cache
-            cur = off.copy()
-            cur[: r.lengths_grow] += r.iters
+            sid, off = r.offsets.arrays()
             ids.append(sid)
-            lens.append(cur)
+            offs.append(off)
+            adds.append(r.iters)  # running sequences grow with the replica's iterations
+            counts.append(len(sid))
+            if r.waiting:  # waiting ones do not (x + 0.0 is x)
+                w = len(r.waiting)
+                ids.append(np.fromiter(r.waiting, np.int64, w))
+                offs.append(np.fromiter((x[0] for x in r.waiting.values()), float, w))
+                adds.append(0.0)
+                counts.append(w)
         if not ids:
             return SeqLengths(np.zeros(0, np.int64), np.zeros(0, np.int64))
-        rounded = np.floor(np.concatenate(lens) + 0.5).astype(np.int64)
+        cur = np.concatenate(offs) + np.repeat(adds, counts)
+        rounded = np.floor(cur + 0.5).astype(np.int64)
         return SeqLengths(np.concatenate(ids), rounded)
 
     def update_weights(self, rid: str, version: int) -> None:

@@ -19,6 +19,7 @@ trajectories.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -69,10 +70,18 @@ class _Stream:
         return math.sqrt(-2.0 * math.log(u)) * math.cos(2.0 * math.pi * v)
 
 
+# The draws of the latest (workload, seed), shared by the SimWorkloads made for it: a run
+# draws each sample twice (for its bound, sim/bound.py, then to run it), and `bench
+# failures` runs every mode on the same samples. A draw is ~15 µs of pure-Python hashing.
+_latest: tuple[tuple, dict] = ((), {})
+
+
 class SimWorkload:
-    """A `SampleSource`: deterministic for (seed, sample id) whatever the release order."""
+    """A `SampleSource`: deterministic for (seed, sample id) whatever the release order.
+    `cfg` is read when it is constructed (its draws are shared, see `_latest`)."""
 
     def __init__(self, cfg: Workload, seed: int) -> None:
+        global _latest
         self.cfg = cfg
         self.seed = seed
         # tool_latency_mix: (name, cumulative share, median s, sigma) per tool
@@ -84,12 +93,25 @@ class SimWorkload:
             cum += t.share
             self._mix.append((name, cum, t.latency_s, t.latency_sigma))
         self._latency = {name: (median, sigma) for name, _, median, sigma in self._mix}
+        key = (seed, *(getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
+        if _latest[0] != key:
+            _latest = (key, {})
+        self._draws: dict[tuple[int, int, int], tuple[int, SimPayload]] = _latest[1]
 
     @staticmethod
     def _lognormal(rng: _Stream, median: float, sigma: float, cap: int) -> int:
         return int(min(cap, max(1, round(median * math.exp(sigma * rng.normal())))))
 
     def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample:
+        key = (sample_id, step, prompt_index)
+        drawn = self._draws.get(key)
+        if drawn is None:
+            drawn = self._draws[key] = self._draw(sample_id, step, prompt_index)
+        prompt_len, payload = drawn
+        return Sample(sample_id, step, prompt_index, group, prompt_len, payload)
+
+    def _draw(self, sample_id: int, step: int, prompt_index: int) -> tuple[int, SimPayload]:
+        """A sample's prompt length and payload (immutable: shared by every make)."""
         c = self.cfg
         prompt_rng = _Stream(self.seed, 0, prompt_index)
         span = c.prompt_len_max - c.prompt_len_min + 1
@@ -114,7 +136,7 @@ class SimWorkload:
             genrm_score=float(correct == agree),
             turn_lens=self._turns(sample_id, response_len),
         )
-        return Sample(sample_id, step, prompt_index, group, prompt_len, payload)
+        return prompt_len, payload
 
     def _turns(self, sample_id: int, response_len: int) -> tuple[int, ...]:
         """The response split into turns: one per tool call, then the answer (() without

@@ -265,3 +265,39 @@ def test_rebalance_moves_a_crowded_tail_onto_idle_replicas() -> None:
     q.add_replica("rollout:1", 100_000, MODEL)
     q.submit(SeqState(9, 50))
     assert q.rebalance().migrations == 0
+
+
+def _submit_dispatch_finish(seed: int) -> tuple[list, list[int]]:
+    """A long queue fed one submit at a time between dispatches and finishes (the
+    reward role's pattern): what was dispatched where, and the queue at the end."""
+    import random
+
+    rng = random.Random(seed)
+    model = ThroughputModel(A=1e-6, B=5e-3, C=2e-4, D=1e-3, max_running=rng.choice([0, 3]))
+    s = Scheduler("reward", priority=rng.choice(["seq_id", "longest_first"]))
+    for i in range(rng.randint(1, 4)):
+        s.add_replica(f"reward:{i}", rng.choice([300, 2000]), model)
+    ids = rng.sample(range(10**6), 400)
+    out = []
+    for sid in ids:
+        s.submit(SeqState(sid, rng.randint(1, 150)))
+        out.append(s.dispatch())
+        running = sorted(q for q in s._q_of if s.location(q) is not None)
+        if running and rng.random() < 0.4:
+            s.finish(rng.choice(running))
+            out.append(s.dispatch())
+    s.check_invariants()
+    return out, [q.seq_id for q in s.queued()]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dispatch_from_a_queue_head_matches_a_full_merge(monkeypatch, seed: int) -> None:
+    """Dispatch merges pending submissions into the head of a long queue only (`_head`);
+    it places exactly what merging them into the whole queue first would."""
+    from pivot_hpc.scheduler import scheduler as mod
+
+    monkeypatch.setattr(mod, "_HEAD", 1 << 30)  # never a head: every dispatch merges all
+    full = _submit_dispatch_finish(seed)
+    monkeypatch.setattr(mod, "_HEAD", 2)
+    monkeypatch.setattr(mod, "_MERGE_PENDING", 5)
+    assert _submit_dispatch_finish(seed) == full
