@@ -1,4 +1,5 @@
-"""`pivot-hpc profile`: fit the throughput-model constants (A, B, C, D) of an engine + model.
+"""`pivot-hpc profile`: fit the throughput-model constants (A, B, C, D) of an engine + model,
+and its prefill cost per prompt token (`prefill_s_per_token`, the planner's re-prefill cost).
 
 Writes <out>/hf-<model>.yaml (default out: $PIVOT_HPC_CACHE/profiles or
 ~/.cache/pivot_hpc/profiles). Use it in a run config with
@@ -36,6 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--context-lens", type=_ints, default=[16, 64, 128, 256, 384])
     p.add_argument("--steps", type=int, default=7, help="decode steps timed per grid point")
+    p.add_argument(
+        "--prefill-batches",
+        type=_ints,
+        default=[1, 4],
+        help="batch sizes of the prefill timings (at most the largest --batch-sizes)",
+    )
+    p.add_argument(
+        "--prefill-lens",
+        type=_ints,
+        default=None,
+        help="prompt lengths of the prefill timings (default: --context-lens; at most their "
+        "largest); an empty list skips the prefill measurement",
+    )
+    p.add_argument("--prefill-repeats", type=int, default=3, help="timed batches per point")
     p.add_argument("--threads", type=int, default=1, help="torch threads (workers use 1)")
     p.add_argument("--out", type=Path, default=None, help="directory for the profile YAML")
     p.add_argument("--cache-dir", type=Path, default=None, help="model cache directory")
@@ -45,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pivot_hpc.engines.profile import fit_samples, sweep, write_profile
+    from pivot_hpc.engines.profile import fit_samples, prefill_sweep, sweep, write_profile
     from pivot_hpc.models.config import ModelsConfig, cache_root
     from pivot_hpc.models.qwen2 import create_model
     from pivot_hpc.models.zoo import load_model
@@ -63,7 +78,12 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         vllm = _start_vllm(args, model, path if args.model != "random" else None)
         factory = lambda max_batch, kv, max_len: vllm  # noqa: E731 (one engine, every point)
-    points = len(args.batch_sizes) * len(args.context_lens)
+    # the prefill grid fits the engine the decode grid sized (one vLLM engine for both)
+    lens = args.context_lens if args.prefill_lens is None else args.prefill_lens
+    lens = sorted({n for n in lens if 0 < n <= max(args.context_lens)})
+    batches = sorted({b for b in args.prefill_batches if 0 < b <= max(args.batch_sizes)})
+    prefill_points = len(lens) * len(batches)
+    points = len(args.batch_sizes) * len(args.context_lens) + prefill_points
     with Progress(points, "profile", unit="grid points", enabled=not args.json) as bar:
         samples = sweep(
             model,
@@ -73,9 +93,21 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda k, n: bar.update(1),
             engine_factory=factory,
         )
+        prefill = (
+            prefill_sweep(
+                model,
+                batches,
+                lens,
+                repeats=args.prefill_repeats,
+                progress=lambda k, n: bar.update(1),
+                engine_factory=factory,
+            )
+            if prefill_points
+            else None
+        )
     if vllm is not None:
         vllm.close()
-    result = fit_samples(samples)
+    result = fit_samples(samples, prefill)
     out_dir = args.out or cache_root(args.cache_dir) / "profiles"
     path = write_profile(
         out_dir / f"{args.engine}-{name}.yaml",
@@ -98,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         "held_out_r2": result.held_out.r2,
         "held_out_median_rel_error": result.held_out.median_rel_error,
         "samples": len(samples),
+        "prefill_s_per_token": result.prefill.s_per_token if result.prefill else None,
+        "prefill_intercept_s": result.prefill.intercept_s if result.prefill else None,
+        "prefill_r2": result.prefill.r2 if result.prefill else None,
     }
     if args.json:
         print(json.dumps(summary, sort_keys=True))
@@ -107,10 +142,21 @@ def run(args: argparse.Namespace) -> int:
         f"held out ({result.held_out.samples} points): R²={result.held_out.r2:.4f}  "
         f"median rel. error={result.held_out.median_rel_error * 100:.2f}%"
     )
+    if result.prefill is not None:
+        p = result.prefill
+        print(
+            f"prefill ({p.samples} points): {p.s_per_token:.4g} s/token "
+            f"(+ {p.intercept_s:.4g} s per batch, not used)  R²={p.r2:.4f}"
+        )
     print(f"wrote {path}")
     print(
         f"use: engines.{args.role}.throughput_profile={path}   or   "
         + " ".join(f"{args.role}.throughput.{k}={v:.6g}" for k, v in m.as_dict().items())
+        + (
+            f" {args.role}.throughput.prefill_s_per_token={result.prefill.s_per_token:.6g}"
+            if result.prefill is not None
+            else ""
+        )
     )
     return 0
 

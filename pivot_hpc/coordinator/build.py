@@ -75,7 +75,13 @@ def topology(
 def configured_topology(cfg: Config) -> Topology:
     """The topology `build` makes for `cfg` with its own constants (`pivot-hpc trace`)."""
     c = configured_costs(cfg)
-    return topology(cfg, models=c.models, kv_capacity=c.kv_capacity, training_tp=c.training_tp)
+    return topology(
+        cfg,
+        models=c.models,
+        kv_capacity=c.kv_capacity,
+        training_tp=c.training_tp,
+        prefill_s_per_token=c.prefill_s_per_token,
+    )
 
 
 def _constants(cfg: Config, role: str) -> tuple[float, float, float, float]:
@@ -145,12 +151,20 @@ def build(cfg: Config, backend: Backend) -> Job:
 
 
 def configured_costs(cfg: Config) -> Costs:
-    """The config's own throughput constants and KV capacities (the live run, after engine
-    profiles filled them in; the simulator uses catalog costs)."""
+    """The config's own throughput constants, prefill costs and KV capacities (the live run,
+    after engine profiles filled them in; the simulator uses catalog costs). A role whose
+    `throughput.prefill_s_per_token` is unset (a profile that did not measure it) plans
+    its prefills as free, as before."""
+    prefill = {
+        r: p
+        for r in INFERENCE_ROLES
+        if (p := getattr(cfg, r).throughput.prefill_s_per_token) is not None
+    }
     return Costs(
         models={r: ThroughputModel(*_constants(cfg, r)) for r in INFERENCE_ROLES},
         kv_capacity={r: getattr(cfg, r).kv_capacity_tokens for r in INFERENCE_ROLES},
         training_tp=cfg.rl.trainer.tp,
+        prefill_s_per_token=prefill or None,
     )
 
 

@@ -246,7 +246,13 @@ def use_profiles(cfg: Config, dirs) -> Config:
     """`cfg` with throughput constants for the schedulers: the engine/model profile if one
     exists (`pivot-hpc profile` writes it), else a brief profile now, cached for the next
     run (a new config: the validated one is not changed)."""
-    from pivot_hpc.engines.profile import apply_profiles, fit_samples, sweep, write_profile
+    from pivot_hpc.engines.profile import (
+        apply_profiles,
+        fit_samples,
+        prefill_sweep,
+        sweep,
+        write_profile,
+    )
     from pivot_hpc.models.zoo import load_model
 
     for role, path_dir, name in (("rollout", dirs[0], "policy"), ("reward", dirs[1], "genrm")):
@@ -262,14 +268,15 @@ def use_profiles(cfg: Config, dirs) -> Config:
             continue
         # v2: batches up to the concurrency a run reaches, with the workers' threads (v1's
         # 1–16 sequences saw no growth and fitted a constant latency: one replica looked
-        # able to decode any number of sequences at once)
+        # able to decode any number of sequences at once); v3: + prefill_s_per_token
         profiles = cache_root(cfg.models.cache_dir) / "profiles"
-        path = profiles / f"hf-v2-t{ec.num_threads}-{Path(path_dir).name}.yaml"
+        path = profiles / f"hf-v3-t{ec.num_threads}-{Path(path_dir).name}.yaml"
         if not path.is_file():
             t0 = time.monotonic()
             model, _ = load_model(path_dir)
             samples = sweep(model, [1, 8, 32, 128], [16, 96], steps=3, num_threads=ec.num_threads)
-            result = fit_samples(samples)
+            prefill = prefill_sweep(model, [1, 8], [16, 96], repeats=2, num_threads=ec.num_threads)
+            result = fit_samples(samples, prefill)
             write_profile(path, result, engine="hf", model=name, role=role)
             print(
                 f"pivot-hpc: profiled hf/{name} in {time.monotonic() - t0:.1f}s: "

@@ -8,7 +8,14 @@ import pytest
 
 from pivot_hpc.cli.main import main
 from pivot_hpc.config import load_config
-from pivot_hpc.engines.profile import apply_profiles, fit_samples, load_profile, sweep
+from pivot_hpc.engines.profile import (
+    apply_profiles,
+    fit_prefill,
+    fit_samples,
+    load_profile,
+    prefill_sweep,
+    sweep,
+)
 
 
 def test_sweep_and_fit(tiny_model):
@@ -31,6 +38,16 @@ def test_sweep_measures_large_batches_after_a_chunked_prefill(tiny_model):
     samples = sweep(tiny_model, [1, 128], [96], steps=2, num_threads=1)
     assert [s.n_seq for s in samples] == [1, 128]
     assert samples[1].n_tok >= 128 * 96
+
+
+def test_prefill_sweep_measures_a_positive_cost_per_token(tiny_model):
+    samples = prefill_sweep(tiny_model, [1, 8], [16, 256], repeats=3)
+    assert [(p.n_seq, p.prompt_len) for p in samples] == [(1, 16), (1, 256), (8, 16), (8, 256)]
+    assert all(p.latency_s > 0 for p in samples)
+    # 2048 prompt tokens cost more than 16 (~10x on the tiny model), whatever the load
+    assert samples[3].latency_s > samples[0].latency_s
+    fit = fit_prefill(samples)
+    assert fit.s_per_token > 0 and fit.intercept_s >= 0 and fit.samples == 4
 
 
 def test_profile_cli_writes_loadable_constants(tmp_path, capsys):
@@ -58,12 +75,17 @@ def test_profile_cli_writes_loadable_constants(tmp_path, capsys):
     assert out["profile"] == str(path) and path.is_file()
     tc = load_profile(path)
     assert tc.B + tc.D > 0
+    # prefill measured by default (batches 1 and 4 × the context lengths), into the file
+    assert out["prefill_s_per_token"] > 0
+    assert tc.prefill_s_per_token == pytest.approx(out["prefill_s_per_token"])
     cfg = load_config(None, [f"engines.reward.throughput_profile={path}"])
     given = cfg
     cfg = apply_profiles(cfg)
     assert given.reward.throughput.A != out["A"] or out["A"] == 1e-8  # not changed in place
     assert cfg.reward.throughput.A == pytest.approx(out["A"])
     assert cfg.rollout.throughput.A != cfg.reward.throughput.A or out["A"] == 1e-8
+    assert cfg.reward.throughput.prefill_s_per_token == pytest.approx(out["prefill_s_per_token"])
+    assert cfg.rollout.throughput.prefill_s_per_token is None
 
 
 @pytest.mark.slow  # a benchmark, and vLLM's import when it is the first to need it

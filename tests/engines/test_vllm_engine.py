@@ -261,3 +261,6 @@ def test_profile_fits_the_throughput_model_on_vllm(started, tmp_path, capsys):
     assert out["engine"] == "vllm" and out["samples"] == 6
     tc = load_profile(out["profile"])
     assert tc.A >= 0 and tc.C >= 0 and tc.B + tc.D > 0
+    # prefill timed on the same engine (batches 1 and 4 × the context lengths)
+    assert out["prefill_s_per_token"] > 0
+    assert tc.prefill_s_per_token == pytest.approx(out["prefill_s_per_token"])
