@@ -31,8 +31,6 @@ def test_a_tools_run_trains_on_calls_and_resumes_its_trajectories(tmp_path: Path
     idempotent) and trains every sample exactly once. Most trajectories called the
     calculator, every call was answered, and the report counts them (one job for both
     checks: each tools job costs minutes of CI)."""
-    if not (ROOT / CONFIG).is_file():
-        pytest.skip(f"{CONFIG} is not there")
     from pivot_hpc.checkpoint import store
     from pivot_hpc.runtime.checkpointing import load_rl_state
 
