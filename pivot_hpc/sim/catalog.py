@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pivot_hpc.errors import PivotError
+from pivot_hpc.errors import PivotError, short_repr
 from pivot_hpc.scheduler import ThroughputModel
 from pivot_hpc.scheduler.throughput import fit_throughput_model
 from pivot_hpc.sim.calibration import Calibration, calibration
@@ -373,7 +373,10 @@ def with_max_running(costs: InferenceCosts, max_running: int) -> InferenceCosts:
 def from_profile(costs: InferenceCosts, path: str | Path) -> InferenceCosts:
     """The user's own engine profile (`pivot-hpc profile` YAML): its A-D drive both the
     simulated engine and the scheduler; `kv_capacity_tokens` in the file replaces the
-    catalog's capacity. Shift and prefill costs stay the catalog's."""
+    catalog's capacity, and `prefill_s_per_token` (the measured prefill slope) the catalog's
+    prefill cost. That slope is one engine's, a replica of `tp` GPUs, like A-D and like the
+    catalog's prefill: taken as it is, not rescaled. A file without the key (or with null:
+    a profile from before it) keeps the catalog's prefill. Shift costs stay the catalog's."""
     doc = read_profile(path)
     try:
         t = doc["throughput"]
@@ -389,13 +392,41 @@ def from_profile(costs: InferenceCosts, path: str | Path) -> InferenceCosts:
         raise CatalogError(
             f"{path}: not a throughput profile ({exc}); write one with `pivot-hpc profile`"
         ) from None
+    prefill = _profile_prefill(doc, path)
     src = f"profile: {path}"
     sources = {**costs.sources, "A": src, "B": src, "C": src, "D": src}
     if "kv_capacity_tokens" in doc:
         sources["kv_capacity_tokens"] = src
+    if prefill is not None:
+        sources["prefill_s_per_token"] = src
     return dataclasses.replace(
-        costs, model=model, decode=None, kv_capacity_tokens=kv, sources=sources
+        costs,
+        model=model,
+        decode=None,
+        kv_capacity_tokens=kv,
+        prefill_s_per_token=costs.prefill_s_per_token if prefill is None else prefill,
+        sources=sources,
     )
+
+
+def _profile_prefill(doc: dict, path: str | Path) -> float | None:
+    """A profile's `prefill_s_per_token`: None where it has none (or null), else a finite
+    number >= 0, or one CatalogError line naming the file and the key."""
+    p = doc.get("prefill_s_per_token")
+    if p is None:
+        return None
+    try:
+        if isinstance(p, bool):  # YAML true/false are ints to float(): not a slope
+            raise TypeError
+        value = float(p)  # a string too: YAML 1.1 reads a bare 1e-6 as one
+    except (TypeError, ValueError, OverflowError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise CatalogError(
+            f"{path}: prefill_s_per_token must be a finite number >= 0 (or null), not "
+            f"{short_repr(p)}; write the file with `pivot-hpc profile`"
+        )
+    return value
 
 
 PROFILE_MODEL_KEYS = ("params", "layers", "hidden", "heads", "kv_heads", "head_dim")

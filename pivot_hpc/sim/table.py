@@ -73,7 +73,7 @@ def pair_row(model: str, hw: str, tp: int, costs: InferenceCosts) -> dict[str, A
         "shift_down.discard_s": "shift.engine_stop_s",
         "weight_update_s": "derived: weight bytes / shift.host_read_gb_s",
     }
-    for key in ("A", "B", "C", "D", "kv_capacity_tokens"):
+    for key in ("A", "B", "C", "D", "kv_capacity_tokens", "prefill_s_per_token"):
         if costs.sources.get(key, "").startswith("profile"):
             src[key] = costs.sources[key]
     return {"hardware": hw, "model": model, "tp": tp, "values": values, "sources": src}

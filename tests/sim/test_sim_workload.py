@@ -246,6 +246,67 @@ def test_a_model_outside_the_catalog_without_profile_is_one_clear_error(tmp_path
         build(load_config(None, [*SMALL, *extra]))
 
 
+def _catalog_1p5b():
+    from pivot_hpc.sim.catalog import HARDWARE, MODELS, inference_costs
+
+    return inference_costs(MODELS["qwen2.5-1.5b"], HARDWARE["h20"], 1)
+
+
+THROUGHPUT = "throughput: {A: 1.0e-7, B: 2.0e-3, C: 1.0e-4, D: 1.0e-3}\n"
+
+
+@pytest.mark.parametrize(("text", "value"), [("3.0e-6", 3.0e-6), ("1e-6", 1.0e-6), ("0", 0.0)])
+def test_from_profile_uses_the_profiles_measured_prefill(
+    tmp_path: Path, text: str, value: float
+) -> None:
+    from pivot_hpc.sim.catalog import from_profile
+
+    prof = tmp_path / "p.yaml"  # (a bare 1e-6 is a string to YAML 1.1: read as a number)
+    prof.write_text(THROUGHPUT + f"prefill_s_per_token: {text}\n", encoding="utf-8")
+    catalog = _catalog_1p5b()
+    assert catalog.prefill_s_per_token > 0
+    costs = from_profile(catalog, prof)
+    assert costs.prefill_s_per_token == value  # one engine's slope, as measured: not rescaled
+    assert costs.sources["prefill_s_per_token"] == f"profile: {prof}"
+    assert costs.sources["A"] == f"profile: {prof}"
+
+
+@pytest.mark.parametrize("line", ["", "prefill_s_per_token: null\n", "prefill_s_per_token:\n"])
+def test_from_profile_without_a_prefill_keeps_the_catalogs(tmp_path: Path, line: str) -> None:
+    from pivot_hpc.sim.catalog import from_profile
+
+    prof = tmp_path / "old.yaml"  # a profile from before the prefill measurement
+    prof.write_text(THROUGHPUT + line, encoding="utf-8")
+    catalog = _catalog_1p5b()
+    costs = from_profile(catalog, prof)
+    assert costs.prefill_s_per_token == catalog.prefill_s_per_token
+    assert "profile" not in costs.sources.get("prefill_s_per_token", "")
+    assert costs.sources["A"] == f"profile: {prof}"
+
+
+@pytest.mark.parametrize("text", ["-3.0e-6", ".nan", ".inf", "1e999", "true", "fast", "[1]"])
+def test_from_profile_refuses_a_bad_prefill_in_one_line(tmp_path: Path, text: str) -> None:
+    from pivot_hpc.sim.catalog import CatalogError, from_profile
+
+    prof = tmp_path / "bad.yaml"
+    prof.write_text(THROUGHPUT + f"prefill_s_per_token: {text}\n", encoding="utf-8")
+    with pytest.raises(CatalogError) as info:
+        from_profile(_catalog_1p5b(), prof)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert str(prof) in msg and "prefill_s_per_token" in msg and "finite number >= 0" in msg
+
+
+def test_a_profiles_prefill_reaches_the_simulated_engine(tmp_path: Path) -> None:
+    prof = tmp_path / "p.yaml"
+    prof.write_text(THROUGHPUT + "prefill_s_per_token: 4.0e-6\n", encoding="utf-8")
+    cfg = load_config(None, [*SMALL, f"engines.rollout.throughput_profile={prof}"])
+    _coord, cluster, _ = build(cfg)
+    assert cluster.inference["rollout"].prefill_s_per_token == 4.0e-6
+    assert cluster.inference["rollout"].sources["prefill_s_per_token"] == f"profile: {prof}"
+    assert "profile" not in cluster.inference["reward"].sources.get("prefill_s_per_token", "")
+
+
 def test_a_training_step_longer_than_the_stall_limit_is_not_a_stall() -> None:
     import dataclasses
 
