@@ -173,6 +173,7 @@ class Coordinator:
         )
         self.rates = InferenceRates()  # tokens per GPU-second while a role has work
         self._holdable: dict[str, tuple[Topology, bool, int]] = {}  # see _slots
+        self._plannable: tuple[Topology, frozenset[int], Topology] | None = None
 
     # ------------------------------------------------------------- loop
     def run(self, progress: Callable[[int], None] | None = None) -> None:
@@ -548,6 +549,9 @@ class Coordinator:
     def idle(self) -> bool:
         return self.shifts.idle()
 
+    def settled(self) -> bool:
+        return self.shifts.settled()
+
     def execute(self, plan: ShiftPlan) -> None:
         """Carry out a plan. Training does not start in the middle of one: a sequence that
         finished just before its abort landed is handled inside the plan's take-down, and
@@ -588,13 +592,25 @@ class Coordinator:
             parked = {"rollout": due}
             prefix = self.turns.prefix_due(self.cluster.now(), self.turns.horizon_s)
         return Snapshot(
-            self.topology,
+            self._plannable_topology(),
             self.schedulers,
             self.training,
             self.shifts.unrepaid(),
             parked_due=parked,
             parked_prefix=prefix,
         )
+
+    def _plannable_topology(self) -> Topology:
+        """The topology without the GPUs of engines in recovery (ShiftExecutor.settled):
+        the planner plans around them (training keeps its own GPUs: a training shift-up
+        that needs them takes them over from the restart)."""
+        gpus = self.shifts.recovering_gpus()
+        if not gpus:
+            return self.topology
+        cached = self._plannable
+        if cached is None or cached[0] is not self.topology or cached[1] != gpus:
+            cached = self._plannable = (self.topology, gpus, self.topology.without_gpus(gpus))
+        return cached[2]
 
     # --------------------------------------------------------- telemetry
     def _log_throughput(self) -> None:

@@ -55,7 +55,7 @@ class Colocated:
         pass
 
     def on_change(self, c: ModeView) -> None:
-        if not c.idle():
+        if not c.settled():
             return
         ro, rm = c.schedulers["rollout"], c.schedulers["reward"]
         step = c.rl.version
@@ -120,7 +120,7 @@ class RolloutRewardColocated:
         pass
 
     def on_change(self, c: ModeView) -> None:
-        if not c.idle():
+        if not c.settled():
             return
         b = self.batch
         ro, rm = c.schedulers["rollout"], c.schedulers["reward"]
@@ -191,7 +191,7 @@ class Shifting:
         if not self.strategy.react:
             return
         cues = stall_cues(c)
-        if not c.idle():  # a shift in flight: plan once it is done, if the stall remains
+        if not c.settled():  # a shift in flight: plan once it is done, if the stall remains
             self.answered &= cues
             return
         if cues - self.answered:
@@ -199,7 +199,7 @@ class Shifting:
         self.answered = cues
 
     def on_tick(self, c: ModeView) -> None:
-        if c.cluster.now() >= self.next_plan and c.idle():
+        if c.cluster.now() >= self.next_plan and c.settled():
             self._plan(c)
 
     def _plan(self, c: ModeView) -> None:

@@ -25,7 +25,7 @@ from pivot_hpc.coordinator.events import ReplicaFailed, SequenceFinished, ShiftD
 from pivot_hpc.coordinator.monitor import ShiftClock
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState
 from pivot_hpc.planner import ShiftPlan, Topology, TrainingState, role_of
-from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING
+from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING, SnapshotError
 from pivot_hpc.scheduler import MigrationResult, Scheduler
 
 
@@ -81,18 +81,51 @@ class ShiftExecutor:
         # again once their shift-down is done; those that died twice within the window.
         self.restart_window_s = restart_window_s
         self.died_at: dict[str, float] = {}
-        self.restarting: set[str] = set()
-        self.excluding: set[str] = set()
+        self.restarting: set[str] = set()  # shifting down, to be started again
+        self.excluding: set[str] = set()  # shifting down, their GPUs then leave inference
+        self.reviving: set[str] = set()  # restarted: waiting for or shifting up again
+        self.retiring: set[str] = set()  # reviving, superseded: down again once up
 
     def gpus_free(self, rid: str) -> bool:
         return all(g not in self.owner for g in self.c.topology.gpus_of(rid))
 
     def request_up(self, rids: Iterable[str]) -> None:
         for rid in rids:
+            if rid in self.retiring:  # coming up again already: let it stay
+                self.retiring.discard(rid)
+                continue
+            if rid in self.recovering():
+                continue  # its restart brings it up (or its GPUs are leaving)
             if rid in self.shifting or self._is_up(rid):
                 raise ConservationError(f"{rid} is already up or shifting")
+            self._supersede_restarts(rid)
             self.pending_up.append(rid)
         self._start_pending()
+
+    def recovering(self) -> set[str]:
+        """Replicas in an engine recovery (on_failure): shifting down after their death,
+        restarting, or excluded. They are no plan's doing and no plan waits for them."""
+        return self.restarting | self.excluding | self.reviving | self.retiring
+
+    def recovering_gpus(self) -> frozenset[int]:
+        gpus = self.c.topology.gpus_of
+        return frozenset(g for rid in self.recovering() for g in gpus(rid))
+
+    def _supersede_restarts(self, rid: str) -> None:
+        """`rid` is asked up on GPUs that a dead engine's restart holds: the GPUs go to
+        `rid` instead (a mode moved on, e.g. colocated's next stage, or training needs
+        its GPUs). A restart not yet begun is dropped; one shifting up goes down again as
+        soon as it is up; an excluded replica's GPUs leave inference whatever happens."""
+        for g in self.c.topology.gpus_of(rid):
+            owner = self.owner.get(g)
+            if owner in self.restarting:
+                self.restarting.discard(owner)
+            elif owner in self.reviving and self.shifting.get(owner) == "up":
+                self.retiring.add(owner)
+        for other in [r for r in self.pending_up if r in self.reviving]:
+            if set(self.c.topology.gpus_of(other)) & set(self.c.topology.gpus_of(rid)):
+                self.pending_up.remove(other)
+                self.reviving.discard(other)
 
     def _is_up(self, rid: str) -> bool:
         if role_of(rid) == TRAINING:
@@ -103,6 +136,9 @@ class ShiftExecutor:
         waiting = []
         for rid in self.pending_up:
             free = self.gpus_free(rid)
+            if not free and rid in self.reviving:  # its GPUs went to a replica asked up
+                self.reviving.discard(rid)
+                continue
             after = None if free else self._chainable(rid)
             if not free and after is None:
                 waiting.append(rid)
@@ -137,6 +173,7 @@ class ShiftExecutor:
             down is None
             or self.shifting.get(down) != "down"
             or down in self.chained
+            or down in self.excluding  # its GPUs leave inference when it is down
             or sorted(self.c.topology.gpus_of(down)) != sorted(gpus)
         ):
             return None
@@ -234,16 +271,26 @@ class ShiftExecutor:
             if follower is not None:  # its own shift starts now (τ_shift measures this)
                 self._shift_t0[follower] = ev.t
             self.replica_version.pop(rid, None)
+            self.retiring.discard(rid)
             if rid in self.excluding:  # its GPUs leave the inference roles
                 self.excluding.discard(rid)
                 self.c.topology = self.c.topology.without_gpus(self.c.topology.gpus_of(rid))
+                self._drop_vanished()
             if rid in self.restarting:  # a fresh engine, refit from GPS before it serves
                 self.restarting.discard(rid)
                 self.c.stats.engine_restarts += 1
+                self.reviving.add(rid)
                 self.pending_up.append(rid)
             self._start_pending()
+        elif rid in self.retiring:  # superseded while it came up: its GPUs are wanted
+            self.c.stats.shifts_up += 1
+            self.reviving.discard(rid)
+            self._shift_t0[rid] = ev.t
+            self.shifting[rid] = "down"
+            self.c.cluster.shift_down(rid)
         else:
             self.c.stats.shifts_up += 1
+            self.reviving.discard(rid)
             if role == TRAINING:
                 if rid == TRAINING:
                     self.c.training.active = True
@@ -255,6 +302,19 @@ class ShiftExecutor:
                     self.send_version(rid, have=self.up_version.pop(rid, self.c.rl.version))
                 self._arrived.setdefault(role, []).append(rid)
         self._log_allocation()
+
+    def _drop_vanished(self) -> None:
+        """Shift-ups waiting for GPUs an exclusion took out of the topology: their slot
+        is gone, so they never come (the mode or planner sees the smaller cluster)."""
+        keep = []
+        for rid in self.pending_up:
+            try:
+                self.c.topology.gpus_of(rid)
+            except SnapshotError:
+                self.plan_of.pop(rid, None)
+                continue
+            keep.append(rid)
+        self.pending_up = keep
 
     def on_failure(self, ev: ReplicaFailed) -> None:
         """An engine process died: for a serving replica, an unplanned shift-down. Its
@@ -398,6 +458,13 @@ class ShiftExecutor:
     def idle(self) -> bool:
         """No shift in flight or waiting: the allocation is what the schedulers say."""
         return not self.shifting and not self.pending_up
+
+    def settled(self) -> bool:
+        """No shift in flight or waiting but engine recoveries: a mode may move on and
+        the planner may plan (around the recovering GPUs: `recovering_gpus`). Waiting for
+        `idle` instead starved both when engines died faster than they restart."""
+        moving = self.recovering()
+        return all(r in moving for r in self.shifting) and all(r in moving for r in self.pending_up)
 
     def execute(self, plan: ShiftPlan) -> None:
         """Log a planner decision and carry it out (shift down first, then up)."""
