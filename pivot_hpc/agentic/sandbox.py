@@ -8,15 +8,19 @@ The child is `python -I -S -c PROLOGUE` (isolated mode, no site-packages), start
   the value comes back on stdout, stderr is read for a short reason only);
 - in its own session and process group, which is killed whole (SIGKILL) at the wall-clock
   deadline, on an oversized output, and after every call, so nothing it forked survives;
-- in a private network namespace holding only loopback (`unshare --net`) where this
-  machine allows one — detected once (`detect_isolation`) and reported, never required.
+- in a private network namespace holding only loopback (`unshare --net`) and, where this
+  machine allows them, a private PID namespace (`unshare --pid`) — detected once
+  (`detect_isolation`) and reported, never required.
 
 The fixed PROLOGUE clears the environment (Python's own locale coercion sets LC_CTYPE),
-sets the resource limits (CPU seconds, address space, open files, file size, no core
-files, and processes where that cannot break: see `_nproc_limit`), then runs the tool's
-program, itself fixed source. Model-generated text only ever reaches the child as data on
-stdin, after the limits are in place. Setting the limits in the child instead of in a
-`preexec_fn` keeps spawning safe from the server's threads.
+makes the child die with the process that spawned it (PR_SET_PDEATHSIG) and unable to
+gain privileges by execve (PR_SET_NO_NEW_PRIVS), sets the resource limits (CPU seconds,
+address space, open files, file size, no core files, and processes where that cannot
+break: see `_nproc_limit`), then runs the tool's program, itself fixed source. In a PID
+namespace the tool runs as PID 2 under a minimal init, and a keeper outside the namespace
+waits for it and ends the namespace (see `_PROLOGUE`). Model-generated text only ever
+reaches the child as data on stdin, after all of this is in place. Doing it in the child
+instead of in a `preexec_fn` keeps spawning safe from the server's threads.
 
 Whatever happens — a timeout, a crash, a memory bomb, a flood of output, a failed spawn —
 `run_tool` returns a `ToolResult` with a status; it does not raise.
@@ -46,7 +50,7 @@ PROBE_TIMEOUT_S = 15.0
 # Exit statuses the prologue uses (1 is the tools' own "refused, message on stdout").
 EXIT_MEMORY = 3  # MemoryError under the address-space limit
 EXIT_EXCEPTION = 4  # the tool's program raised (a bug in the tool, not a dead sandbox)
-EXIT_PROLOGUE = 5  # the limits could not be set
+EXIT_PROLOGUE = 5  # the confinement could not be set up (prctl, limits, namespace's init)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +65,10 @@ class SandboxLimits:
     max_file_mb: int = 1  # RLIMIT_FSIZE: largest file the tool may write in its directory
     max_output_bytes: int = 16 * 1024  # stdout beyond this: status output_limit
 
-    def rlimits(self) -> list[tuple[int, int, int]]:
-        """(resource, soft, hard) the prologue sets."""
+    def rlimits(self, extra_processes: int = 0) -> list[tuple[int, int, int]]:
+        """(resource, soft, hard) the prologue sets; `extra_processes`: the sandbox's own
+        processes besides the tool's (the keeper and init of a PID namespace), so that the
+        tool keeps its `max_processes` headroom."""
         mb = 2**20
         limits = [
             (resource.RLIMIT_CPU, self.cpu_s, self.cpu_s + 1),
@@ -71,7 +77,7 @@ class SandboxLimits:
             (resource.RLIMIT_FSIZE, self.max_file_mb * mb, self.max_file_mb * mb),
             (resource.RLIMIT_CORE, 0, 0),
         ]
-        nproc = _nproc_limit(self.max_processes)
+        nproc = _nproc_limit(self.max_processes + extra_processes)
         if nproc is not None:
             limits.append((resource.RLIMIT_NPROC, nproc, nproc))
         return limits
@@ -97,18 +103,92 @@ def _nproc_limit(headroom: int) -> int | None:
     return count + headroom
 
 
+# In a PID namespace (`unshare --pid`, without --fork) the prologue's process stays
+# outside it, as the call's *keeper*; its first child becomes PID 1 of the namespace, its
+# second the tool (PID 2):
+#
+# - Not the tool as PID 1 (what `unshare --fork` would make it): a namespace's init ignores
+#   every signal it has no handler for unless it comes from outside as SIGKILL — a
+#   self-sent SIGKILL or SIGSEGV, even RLIMIT_CPU's SIGXCPU, would no longer end the tool,
+#   and its own exit status could not say that a signal ended it.
+# - The init only waits: it ignores SIGCHLD (orphans it adopts are reaped at once) and
+#   reads a pipe whose only writer is the keeper (the tool closes its copy first). When
+#   the keeper dies, however it dies, the read ends, the init exits and the kernel
+#   SIGKILLs every process left in the namespace: those that left the process group
+#   (setsid) included, which the group kill alone would miss.
+# - The keeper waits for the tool, then SIGKILLs the init (the namespace is gone once the
+#   init is reaped), and ends as the tool did: its exit status, or the signal that ended
+#   it, re-raised (core dumps off). So `_reap` sees the tool's status, and the tool's CPU
+#   time in the keeper's rusage (the keeper reaped it). A group kill (the deadline, an
+#   output flood) takes the keeper with the rest; the init and the tool are then reaped by
+#   the machine's reaper (PID 1 or a subreaper), as a tool's own children always were.
+#
+# PR_SET_PDEATHSIG(SIGKILL) makes the child (the keeper, or the tool without a PID
+# namespace) die with the thread that spawned it: `run_tool` blocks that thread until the
+# child is reaped, so only the spawning process's death fires it. A parent that died
+# before the prctl is caught by comparing getppid() with the spawner's pid, which the
+# prologue is given. unshare's --kill-child would not do: it ties PID 1 to unshare, not
+# unshare to the server. With the keeper gone, the pipe ends the namespace as above;
+# without a PID namespace only the tool's own process dies with the server, and what it
+# forked is left to its CPU limit.
 _PROLOGUE = """\
-import os, resource, sys
+import os, resource, signal, sys
 os.environ.clear()
 try:
+    import ctypes
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.prctl.argtypes = (ctypes.c_int,) + (ctypes.c_ulong,) * 4
+    _libc.prctl.restype = ctypes.c_int
+
+    def _prctl(option, value):
+        if _libc.prctl(option, value, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(%d) failed" % option)
+
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != {parent}:
+        os._exit({prologue})  # the spawner died before that: nobody waits for this call
+    _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS: no execve gains privileges (set-id bits, file caps)
     for _r, _soft, _hard in {limits!r}:
         _cap = resource.getrlimit(_r)[1]
         if _cap != resource.RLIM_INFINITY:
             _hard = min(_hard, _cap)
             _soft = min(_soft, _hard)
         resource.setrlimit(_r, (_soft, _hard))
-except BaseException:
-    os._exit({prologue})
+    if {pid_namespace}:
+        _rfd, _wfd = os.pipe()
+        _init = os.fork()
+        if _init == 0:  # PID 1 of the namespace
+            try:
+                os.close(_wfd)
+                os.closerange(0, 3)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1: deaf from inside
+                signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+                while os.read(_rfd, 1):
+                    pass
+            finally:
+                os._exit(0)
+        os.close(_rfd)
+        _tool = os.fork()
+        if _tool:  # the keeper
+            os.closerange(0, 3)
+            _status = os.waitpid(_tool, 0)[1]
+            os.kill(_init, signal.SIGKILL)
+            os.waitpid(_init, 0)
+            if os.WIFEXITED(_status):
+                os._exit(os.WEXITSTATUS(_status))
+            _sig = os.WTERMSIG(_status)
+            _prctl(4, 0)  # PR_SET_DUMPABLE: no core dump of the keeper
+            if _sig != signal.SIGKILL:
+                signal.signal(_sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [_sig])
+            os.kill(os.getpid(), _sig)
+            os._exit(128 + _sig)
+        os.close(_wfd)
+except BaseException as _exc:
+    try:
+        os.write(2, ("%s: %s" % (type(_exc).__name__, _exc)).encode())
+    finally:
+        os._exit({prologue})
 try:
     exec(compile({program!r}, "<tool>", "exec"), {{"__name__": "__main__"}})
 except MemoryError:
@@ -121,27 +201,34 @@ except BaseException as _exc:
 """
 
 
-def prologue(program: str, limits: SandboxLimits) -> str:
-    """The `-c` program of the child: set the limits, then run `program`."""
+def prologue(
+    program: str, limits: SandboxLimits, *, pid_namespace: bool = False, parent: int | None = None
+) -> str:
+    """The `-c` program of the child: confine itself, set the limits, then run `program`.
+    `pid_namespace`: the child was started by `unshare --pid` (see above); `parent`: the pid
+    of the process that spawns it (this one when None)."""
     return _PROLOGUE.format(
-        limits=limits.rlimits(),
+        limits=limits.rlimits(2 if pid_namespace else 0),
         program=program,
+        pid_namespace=bool(pid_namespace),
+        parent=os.getpid() if parent is None else int(parent),
         prologue=EXIT_PROLOGUE,
         memory=EXIT_MEMORY,
         exception=EXIT_EXCEPTION,
     )
 
 
-# ------------------------------------------------------------------ network isolation
+# ------------------------------------------------------------------ namespaces
 @dataclass(frozen=True, slots=True)
 class Isolation:
     """How children are confined beyond rlimits: `network` is True when they run in a
-    private network namespace (only loopback) through `prefix`; `detail` says which, or
-    why not."""
+    private network namespace (only loopback) through `prefix`, `pid_namespace` when in a
+    private PID namespace too; `detail` says which, or why not, in one line."""
 
     network: bool
     prefix: tuple[str, ...]
     detail: str
+    pid_namespace: bool = False
 
 
 _isolation: Isolation | None = None
@@ -149,8 +236,9 @@ _isolation_lock = threading.Lock()
 
 
 def detect_isolation(refresh: bool = False) -> Isolation:
-    """Probe once per process whether `unshare --net` (with --map-root-user when not root)
-    gives a child a network namespace with nothing but loopback. Never raises."""
+    """Probe once per process whether `unshare --net --pid` or else `unshare --net` (with
+    --map-root-user when not root) gives a child a network namespace with nothing but
+    loopback and, with --pid, a PID namespace whose first process is PID 1. Never raises."""
     global _isolation
     with _isolation_lock:
         if _isolation is None or refresh:
@@ -162,37 +250,70 @@ def no_isolation(why: str) -> Isolation:
     return Isolation(False, (), why)
 
 
+# What the probe's child sees: its network interfaces, and whether its first child is PID 1
+# (unshare --pid without --fork leaves the caller outside; its children go in).
+_PROBE = """\
+import os
+names = [l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]]
+child = os.fork()
+if child == 0:
+    os._exit(0 if os.getpid() == 1 else 1)
+print(' '.join(names), 'pid1' if os.waitpid(child, 0)[1] == 0 else 'no-pid1')
+"""
+
+
 def _probe_isolation() -> Isolation:
     unshare = shutil.which("unshare")
     if unshare is None:
         return no_isolation("no network isolation: unshare(1) not found (util-linux)")
-    variants = [["--net"], ["--net", "--map-root-user"]]
+    users = [[], ["--map-root-user"]]
     if os.geteuid() != 0:
-        variants = variants[1:]  # only a user namespace lets a non-root user unshare
-    probe = (
-        "print(' '.join(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))"
-    )
-    why = "failed"
-    for flags in variants:
-        cmd = [unshare, *flags]
-        try:
-            out = subprocess.run(
-                [*cmd, sys.executable, "-I", "-S", "-c", probe],
-                capture_output=True,
-                text=True,
-                timeout=PROBE_TIMEOUT_S,
-                env={},
-                stdin=subprocess.DEVNULL,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            continue
-        interfaces = set(out.stdout.split())
-        if out.returncode == 0 and interfaces == {"lo"}:
-            return Isolation(True, tuple(cmd), f"private network namespace ({' '.join(cmd)})")
-        lines = out.stderr.strip().splitlines()
-        why = lines[-1] if lines else f"interfaces {sorted(interfaces)}"
-    return no_isolation(f"no network isolation: unshare --net is not permitted here ({why})")
+        users = users[1:]  # only a user namespace lets a non-root user unshare
+    why = {True: "failed", False: "failed"}
+    for pid in (True, False):
+        for user in users:
+            cmd = [unshare, "--net", *(["--pid"] if pid else []), *user]
+            net_ok, pid_ok, why[pid] = _probe(cmd)
+            if net_ok and (pid_ok or not pid):
+                used = " ".join(cmd)
+                if pid:
+                    return Isolation(
+                        True, tuple(cmd), f"private network and PID namespaces ({used})", True
+                    )
+                return Isolation(
+                    True,
+                    tuple(cmd),
+                    f"private network namespace ({used}); no PID namespace ({why[True]})",
+                )
+    return no_isolation(f"no network isolation: unshare --net is not permitted here ({why[False]})")
+
+
+def _probe(cmd: list[str]) -> tuple[bool, bool, str]:
+    """Run the probe under `cmd`: (only loopback, first child was PID 1, why not)."""
+    try:
+        out = subprocess.run(
+            [*cmd, sys.executable, "-I", "-S", "-c", _PROBE],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env={},
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return False, False, f"{type(exc).__name__}: {exc}"
+    words = out.stdout.split()
+    interfaces, pid1 = set(words[:-1]), words[-1:] == ["pid1"]
+    net_ok = out.returncode == 0 and interfaces == {"lo"}
+    if net_ok and pid1:
+        return True, True, ""
+    lines = out.stderr.strip().splitlines()
+    if lines:
+        why = lines[-1]
+    elif not net_ok:
+        why = f"interfaces {sorted(interfaces)}"
+    else:
+        why = "its first child was not PID 1"
+    return net_ok, pid1, why
 
 
 # ------------------------------------------------------------------ one call
@@ -231,7 +352,8 @@ def _run_in(
     iso: Isolation,
     start: float,
 ) -> tuple[str, str]:
-    argv = [*iso.prefix, sys.executable, "-I", "-S", "-c", prologue(program, limits)]
+    code = prologue(program, limits, pid_namespace=iso.pid_namespace)
+    argv = [*iso.prefix, sys.executable, "-I", "-S", "-c", code]
     try:
         proc = subprocess.Popen(
             argv,
@@ -366,6 +488,8 @@ def _classify(
         return "memory", f"memory limit ({limits.memory_mb} MB) reached"
     if code == EXIT_EXCEPTION:
         return "error", f"the tool failed ({_tail(err)})"
+    if code == EXIT_PROLOGUE:
+        return "crash", f"the sandbox could not confine the call ({_tail(err)})"
     if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu >= limits.cpu_s):
         return "timeout", f"CPU time limit ({limits.cpu_s} s) reached"
     if code < 0:
