@@ -9,7 +9,8 @@
   a call from generated text, the observation text;
 - `sandbox`: one call in a confined, short-lived child; `server`: a node's pool of them;
   `service`: the process that hosts a node's pool, started before MPI, and its wire;
-- `calculator`: the whitelisting arithmetic evaluator (also the calculator child's program);
+- `calculator`: the whitelisting arithmetic evaluator (also the child program of the
+  calculator and of `calc_memory`, its stateful variant);
 - `messages`: `ToolCall` / `ToolResult`, for runtime/protocol.py;
 - `config`: `ToolsConfig`, the run config's `tools` section.
 """

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pivot_hpc.agentic.sandbox import SandboxLimits
-from pivot_hpc.agentic.tools import BUILTIN_TOOLS
+from pivot_hpc.agentic.tools import BUILTIN_TOOLS, build_registry
 from pivot_hpc.agentic.trajectory import TrajectoryLimits
 from pivot_hpc.errors import fail
 
@@ -18,7 +18,9 @@ class ToolsConfig:
     process on its node (docs/agentic.md)."""
 
     enabled: bool = False  # multi-turn rollouts with tool calls (false: one turn, no tools)
-    tools: tuple[str, ...] = ("calculator",)  # the built-in tools the policy may call
+    # the built-in tools the policy may call: calculator, or calc_memory (stateful:
+    # `ans` is the last result; both are called with <calc>, so declare one of them)
+    tools: tuple[str, ...] = ("calculator",)
     max_turns: int = 4  # generation turns per trajectory; a call after the last one is not run
     # tokens of the whole trajectory (prompt, every turn and every observation); a turn may
     # only generate what is left
@@ -44,6 +46,10 @@ class ToolsConfig:
             fail(f"{path}.tools", unknown, f"unknown tool; built in: {sorted(BUILTIN_TOOLS)}")
         if len(set(self.tools)) != len(self.tools):
             fail(f"{path}.tools", list(self.tools), "each tool once")
+        try:  # two tools on one shorthand tag (calculator, calc_memory: <calc>)
+            build_registry(self.tools)
+        except ValueError as exc:
+            fail(f"{path}.tools", list(self.tools), str(exc))
         for name in (
             "max_turns",
             "max_context_tokens",

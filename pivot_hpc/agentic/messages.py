@@ -35,13 +35,19 @@ STATUSES: tuple[Status, ...] = (
 class ToolCall:
     """Run `tool` with `args_json` (a JSON object, already checked against the tool's
     schema by the coordinator; the sandbox checks it again) within `deadline_s` seconds.
-    `traj_id` names the trajectory that waits on it (for telemetry and resume)."""
+    `traj_id` names the trajectory that waits on it (for telemetry and resume).
+
+    `history`: for a stateful tool (replayable, not idempotent), the `args_json` of the
+    trajectory's earlier calls of it, in order, which its child re-runs before this one
+    (tools.ToolSpec.stdin; at most tools.MAX_HISTORY_CALLS, MAX_HISTORY_BYTES); empty for
+    any other tool."""
 
     call_id: int
     traj_id: int
     tool: str
     args_json: str
     deadline_s: float
+    history: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

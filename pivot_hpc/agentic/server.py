@@ -7,6 +7,12 @@ It spawns processes, which Open MPI advises against inside MPI ranks (UCX, libfa
 it lives in the node's sandbox service (service.py), a process the host rank's process
 starts before MPI initialises (runtime/host_tools.py).
 
+A stateful tool's call carries its trajectory's earlier calls of it (`ToolCall.history`):
+each is checked like the call's own arguments, and the child gets them with the call on
+stdin (`ToolSpec.stdin`) and re-runs them first, so the tool's state lives in that one
+child only. A history past the bounds (tools.MAX_HISTORY_*), or one given for a tool that
+keeps no state, is an "error" result, like a schema failure.
+
 Failures of a call (a timeout, the tool refusing its arguments) are data: they go back as
 observations. A dead sandbox is infrastructure: a crashed child, or one that could not be
 started. After `unhealthy_after_failures` of those in a row the node's sandbox is marked
@@ -34,7 +40,7 @@ from pivot_hpc.agentic.sandbox import (
     remove_tree,
     run_tool,
 )
-from pivot_hpc.agentic.tools import ToolRegistry
+from pivot_hpc.agentic.tools import ToolRegistry, ToolSpec, history_problem
 
 DEATHS = ("crash", "unavailable")  # statuses that mean the sandbox, not the call, failed
 
@@ -158,13 +164,15 @@ class SandboxServer:
         except (ValueError, RecursionError):
             return ToolResult(call.call_id, "error", "arguments are not valid JSON", 0.0)
         why = json_schema.validate(args, tool.parameters)
+        if why is None:
+            why = _history_problem(tool, call.history)
         if why is not None:  # checked by the coordinator already; trust no one
             return ToolResult(call.call_id, "error", why, 0.0)
         timeout = min(self.limits.timeout_s, max(call.deadline_s, 0.0))
         limits = dataclasses.replace(self.limits, timeout_s=timeout)
         return run_tool(
             tool.program,
-            call.args_json.encode(),
+            tool.stdin(call.args_json, call.history),
             limits,
             call_id=call.call_id,
             isolation=self.isolation,
@@ -209,6 +217,24 @@ class SandboxServer:
         self.close()
 
 
+def _history_problem(tool: ToolSpec, history: tuple[str, ...]) -> str | None:
+    """Why `history` cannot go with a call of `tool`, or None."""
+    if not tool.stateful:
+        return None if not history else f"tool '{tool.name}' keeps no state: no history"
+    why = history_problem(tool.name, history)
+    if why is not None:
+        return why
+    for i, past in enumerate(history):
+        try:
+            args = json.loads(past)
+        except (ValueError, RecursionError):
+            return f"history[{i}]: arguments are not valid JSON"
+        why = json_schema.validate(args, tool.parameters)
+        if why is not None:
+            return f"history[{i}]: {why}"
+    return None
+
+
 def preflight(registry: ToolRegistry, limits: SandboxLimits) -> str | None:
     """One line when this machine cannot run tool calls (checked before launch), else None.
     Runs each declared tool's program once on an empty argument set: it must answer (a
@@ -217,7 +243,7 @@ def preflight(registry: ToolRegistry, limits: SandboxLimits) -> str | None:
     for name in registry.names():
         tool = registry.get(name)
         assert tool is not None
-        result = run_tool(tool.program, b"{}", limits, isolation=isolation)
+        result = run_tool(tool.program, tool.stdin("{}"), limits, isolation=isolation)
         if result.status not in ("ok", "error"):
             return (
                 f"tools are enabled but the sandbox cannot run tool '{name}' on this machine "

@@ -47,12 +47,16 @@ def encode(message: ToolCall | ToolResult | dict[str, Any]) -> bytes:
 
 def decode_call(line: bytes) -> ToolCall:
     d = json.loads(line)
+    history = d.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(h, str) for h in history):
+        raise ValueError("history: expected a list of strings")
     return ToolCall(
         call_id=int(d["call_id"]),
         traj_id=int(d["traj_id"]),
         tool=str(d["tool"]),
         args_json=str(d["args_json"]),
         deadline_s=float(d["deadline_s"]),
+        history=tuple(history),
     )
 
 

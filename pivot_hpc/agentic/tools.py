@@ -9,13 +9,19 @@ are read:
 and the model sees the outcome as `<result>181</result>` (or `<result>error: why</result>`).
 Whatever the model writes — an undeclared tool, a malformed call, arguments that fail the
 schema — becomes such an observation (`Refusal`), never an exception.
+
+A stateful tool (`ToolSpec.stateful`: replayable, not idempotent) keeps no process between
+calls either: each call carries the arguments of the trajectory's earlier calls of it
+(`ToolCall.history`, at most MAX_HISTORY_CALLS of them and MAX_HISTORY_BYTES), and its
+child re-runs them before the call (`ToolSpec.stdin`). A call past those bounds is refused
+with an observation (`history_refusal`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -30,6 +36,12 @@ CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 MAX_CALL_CHARS = 4096  # a longer call is refused unparsed (json of any depth is not read)
 MAX_OBSERVATION_CHARS = 4096  # tool output the model sees, before token truncation
+# A stateful tool's call carries the trajectory's earlier calls of it: at most this many,
+# of at most this many bytes of arguments in all (the sandbox takes 64 KiB of stdin). A
+# call that would carry more is refused with an observation (max_turns bounds the calls
+# of a trajectory, so only a run with tools.max_turns above 33 can meet it).
+MAX_HISTORY_CALLS = 32
+MAX_HISTORY_BYTES = 32 * 1024
 _NON_PRINTABLE = re.compile(r"[^\n\x20-\x7e]")
 
 
@@ -41,11 +53,16 @@ class ToolSpec:
     -S`). `tag`: a shorthand `<tag>TEXT</tag>` that calls the tool with {tag_arg: TEXT}.
 
     `idempotent`: running a call twice gives the same result and no side effect, so a call
-    pending at a checkpoint is simply issued again on resume. `replayable`: the tool keeps
-    state, but re-running a trajectory's calls in order rebuilds it. A trajectory parked at
-    a checkpoint on a tool that is not idempotent is dropped and its group resampled
-    (`resume_group` in trajectory.py): each call runs in a fresh sandbox child, so there is
-    no state for a replay to rebuild yet, and replayable is recorded for when there is."""
+    pending at a checkpoint is simply issued again on resume. `replayable`: the tool's
+    state is the fold of the trajectory's earlier calls of it, so re-running them in order
+    rebuilds it. A tool that is replayable and not idempotent is `stateful`: its program
+    reads `{"history": [args, ...], "args": {...}}` instead (the trajectory's earlier calls
+    of it, in order, then this call's arguments; `stdin`), re-runs the history discarding
+    its output, then runs the call — all in the call's one fresh child, so no state
+    outlives it. On resume a pending call of it is issued again with its history (the same
+    result as without the interruption). A tool neither idempotent nor replayable (side
+    effects a replay would repeat) cannot resume a pending call: its trajectory is dropped
+    and its group resampled (`resume_group` in trajectory.py)."""
 
     name: str
     description: str
@@ -57,8 +74,9 @@ class ToolSpec:
     tag_arg: str | None = None
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", self.name):
-            raise ValueError(f"tool name {self.name!r}: letters, digits, _ . - only")
+        # at most 16 characters: telemetry keeps it so (tool_calls.tool, an S16 column)
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,15}", self.name):
+            raise ValueError(f"tool name {self.name!r}: letters, digits, _ . - only, at most 16")
         json_schema.check_schema(self.parameters, f"tool {self.name!r} parameters")
         if self.parameters.get("type") != "object":
             raise ValueError(f"tool {self.name!r}: parameters must be a JSON object schema")
@@ -66,6 +84,19 @@ class ToolSpec:
             raise ValueError(f"tool {self.name!r}: give both tag and tag_arg, or neither")
         if self.tag is not None and not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", self.tag):
             raise ValueError(f"tool {self.name!r}: tag {self.tag!r} must be a lower-case word")
+
+    @property
+    def stateful(self) -> bool:
+        """Its calls carry the trajectory's earlier calls of it, which its child re-runs."""
+        return self.replayable and not self.idempotent
+
+    def stdin(self, args_json: str, history: Sequence[str] = ()) -> bytes:
+        """What the child reads: `args_json` itself, or for a stateful tool
+        `{"history": [...], "args": ...}`. `args_json` and each of `history` must be JSON
+        objects already checked (SandboxServer checks them)."""
+        if not self.stateful:
+            return args_json.encode()
+        return ('{"history":[' + ",".join(history) + '],"args":' + args_json + "}").encode()
 
     def openai_schema(self) -> dict[str, Any]:
         """The declaration as chat templates take it (`tools=[...]`)."""
@@ -89,6 +120,10 @@ class Invocation:
     replayable: bool
 
     @property
+    def stateful(self) -> bool:
+        return self.replayable and not self.idempotent
+
+    @property
     def args_json(self) -> str:
         return json.dumps(self.args, sort_keys=True, separators=(",", ":"))
 
@@ -97,7 +132,7 @@ class Invocation:
 class Refusal:
     """A call that cannot run. `body` ("error: why") is the observation's body the model
     sees instead of a result (`observation`: as text); `reason`: "unknown_tool",
-    "malformed" or "schema"."""
+    "malformed", "schema" or "history" (a stateful tool's call past MAX_HISTORY_*)."""
 
     reason: str
     body: str
@@ -120,8 +155,14 @@ class ToolRegistry:
         if tool.name in self._tools:
             raise ValueError(f"tool {tool.name!r} is declared twice")
         if tool.tag is not None:
-            if tool.tag in self._tags or tool.tag in ("tool_call", "result"):
+            if tool.tag in ("tool_call", "result"):
                 raise ValueError(f"tool {tool.name!r}: tag <{tool.tag}> is taken")
+            if tool.tag in self._tags:
+                other = self._tags[tool.tag].name
+                raise ValueError(
+                    f"tool {tool.name!r}: tag <{tool.tag}> is taken (by {other!r}): "
+                    "declare one of them"
+                )
             self._tags[tool.tag] = tool
         self._tools[tool.name] = tool
 
@@ -191,6 +232,30 @@ class ToolRegistry:
         return Invocation(tool.name, args, tool.idempotent, tool.replayable)
 
 
+def history_problem(tool: str, history: Sequence[str]) -> str | None:
+    """Why a call of stateful `tool` cannot carry `history` (its earlier calls' arguments),
+    or None: more than MAX_HISTORY_CALLS calls or MAX_HISTORY_BYTES bytes."""
+    if len(history) > MAX_HISTORY_CALLS:
+        return (
+            f"tool '{tool}' replays at most {MAX_HISTORY_CALLS} earlier calls of a "
+            f"trajectory (this call follows {len(history)})"
+        )
+    size = sum(len(h.encode()) for h in history)
+    if size > MAX_HISTORY_BYTES:
+        return (
+            f"tool '{tool}' replays at most {MAX_HISTORY_BYTES} bytes of earlier calls of a "
+            f"trajectory (this call follows {size})"
+        )
+    return None
+
+
+def history_refusal(tool: str, history: Sequence[str]) -> Refusal | None:
+    """The refusal (an observation the model sees) of a call of stateful `tool` that would
+    carry `history` past the bounds, or None."""
+    why = history_problem(tool, history)
+    return None if why is None else _refuse("history", why)
+
+
 def _refuse(reason: str, why: str) -> Refusal:
     # `why` may quote what the model wrote: keep it printable, like a tool's output
     return Refusal(reason, _NON_PRINTABLE.sub("?", f"error: {why}"))
@@ -236,7 +301,36 @@ def calculator() -> ToolSpec:
     )
 
 
-BUILTIN_TOOLS = {"calculator": calculator}  # name -> factory; ToolsConfig.tools picks from these
+MEMORY_OFF, MEMORY_ON = "\nMEMORY = False\n", "\nMEMORY = True\n"  # calculator.py's switch
+
+
+@cache
+def calc_memory() -> ToolSpec:
+    """The calculator with a memory: `ans` is the last result (0 before any), so a call
+    may build on the one before (`<calc>ans*2</calc>`). Stateful: its state is the fold
+    of the trajectory's earlier calls of it, which each call carries and its child
+    re-runs (calculator.py's `main_memory`; the same whitelisting evaluator, `ans` the
+    only name). Its tag is the calculator's: a run declares one of the two."""
+    source = (Path(__file__).parent / "calculator.py").read_text(encoding="utf-8")
+    if source.count(MEMORY_OFF) != 1:
+        raise RuntimeError("calculator.py: no single 'MEMORY = False' line to switch")
+    return ToolSpec(
+        name="calc_memory",
+        description=(
+            "Evaluate an arithmetic expression: numbers, ans (the last result), "
+            "+ - * / // % ** and ()."
+        ),
+        parameters=CALCULATOR_SCHEMA,
+        program=source.replace(MEMORY_OFF, MEMORY_ON),
+        idempotent=False,
+        replayable=True,
+        tag="calc",
+        tag_arg="expression",
+    )
+
+
+# name -> factory; ToolsConfig.tools picks from these
+BUILTIN_TOOLS = {"calculator": calculator, "calc_memory": calc_memory}
 
 
 def build_registry(names: Iterable[str]) -> ToolRegistry:

@@ -16,18 +16,22 @@ included; `resume_action` is the rule applied to each trajectory on resume.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pivot_hpc.agentic.tools import RESULT_CLOSE, RESULT_OPEN
+from pivot_hpc.agentic.tools import RESULT_CLOSE, RESULT_OPEN, history_problem
 
 Kind = Literal["gen", "obs"]
 State = Literal["gen", "parked", "done", "truncated", "failed"]
 Side = Literal["left", "right"]
 STATES: tuple[State, ...] = ("gen", "parked", "done", "truncated", "failed")
 FORMAT = 1  # version of to_dict's layout
+# A stateful tool's history: the calls of it that it answered, with a value or a refusal; a
+# call that did not finish (timeout, crash, memory or output limit, unavailable) is left out
+ANSWERED = ("ok", "error")
 
 Encode = Callable[[str], list[int]]
 
@@ -100,6 +104,12 @@ class Trajectory:
         if self.state == "parked" and self.calls and self.calls[-1].status is None:
             return self.calls[-1]
         return None
+
+    def history(self, tool: str) -> list[str]:
+        """The arguments (`args_json`) of the trajectory's calls of `tool` that it answered
+        (`ANSWERED`), in order, the pending one excluded: what a call of a stateful tool
+        carries (`ToolCall.history`), its state being their fold."""
+        return [c.args_json for c in self.calls if c.tool == tool and c.status in ANSWERED]
 
     def response_ids(self) -> list[int]:
         return [t for s in self.segments for t in s.token_ids]
@@ -392,9 +402,10 @@ def resume_action(traj: Trajectory) -> ResumeAction:
     - "continue": a turn was being generated: it is generated again from the context
       (the runtime re-prefills it, as it does any in-flight sequence);
     - "reissue": parked on an idempotent call: the call is simply issued again;
-    - "replay": parked on a call that is not idempotent but replayable: its calls are
-      re-run in order (`calls_to_issue`) to rebuild the tool's state, the last one's
-      observation is appended (no runtime can yet: `resume_group` resamples its group);
+    - "replay": parked on a call of a stateful tool (replayable, not idempotent): the
+      call is issued again with its history (`replay_history`), the trajectory's earlier
+      calls of that tool, which the call's sandbox child re-runs first — as every call of
+      that tool does, so the observation is the one an uninterrupted run gets;
     - "drop": parked on a call that is neither, or failed: the trajectory cannot continue
       and its group is resampled (`resume_group`)."""
     if traj.state in ("done", "truncated"):
@@ -412,13 +423,38 @@ def resume_action(traj: Trajectory) -> ResumeAction:
 
 
 def calls_to_issue(traj: Trajectory) -> list[CallRecord]:
-    """The calls resuming `traj` issues, in order (the last one's result is appended)."""
+    """The calls resuming `traj` runs, in order (the last one's result is appended): the
+    pending call, after its tool's history when it replays (all in one sandbox child)."""
     action = resume_action(traj)
+    pending = traj.pending
+    if pending is None or action not in ("reissue", "replay"):
+        return []
     if action == "reissue":
-        return [traj.calls[-1]]
-    if action == "replay":
-        return list(traj.calls)
-    return []
+        return [pending]
+    earlier = [c for c in traj.calls[:-1] if c.tool == pending.tool and c.status in ANSWERED]
+    return [*earlier, pending]
+
+
+def replay_history(traj: Trajectory) -> tuple[str, ...]:
+    """The history a parked `traj`'s pending call of a stateful tool carries when it is
+    issued again on resume (`Trajectory.history`). ValueError, one line, when the saved
+    trajectory cannot rebuild it: not parked on such a call, an earlier call's arguments
+    that are not a JSON object, or more than a call may carry (tools.MAX_HISTORY_*)."""
+    pending = traj.pending
+    if pending is None or resume_action(traj) != "replay":
+        raise ValueError(f"trajectory {traj.traj_id} is not parked on a replayable call")
+    history = traj.history(pending.tool)
+    for i, past in enumerate(history):
+        try:
+            ok = isinstance(json.loads(past), dict)
+        except (ValueError, RecursionError):
+            ok = False
+        if not ok:
+            raise ValueError(f"the arguments of its earlier call {i} are not a JSON object")
+    why = history_problem(pending.tool, history)
+    if why is not None:
+        raise ValueError(why)
+    return tuple(history)
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,19 +470,27 @@ class GroupResume:
 
 def resume_group(group: Iterable[Trajectory], *, can_replay: bool = False) -> GroupResume:
     """The resume rule of one GRPO group: resampled when a trajectory of it cannot
-    continue — "drop", or "replay" where the runtime cannot replay (`can_replay`).
+    continue — "drop"; "replay" where the runtime cannot replay (`can_replay` False) or
+    the saved trajectory cannot rebuild its history (`replay_history`). A group of kept,
+    continued, reissued and replayed trajectories stays.
 
-    No runtime replays today: the sandbox keeps no state between calls (each runs in a
-    fresh child and working directory) and a trajectory's calls are not pinned to one
-    node's service, so there is no tool state to rebuild, and re-running the history of a
-    tool that is not idempotent would only repeat its side effects. Resampling the group
-    is correct whatever the tool does; a group of kept, continued and reissued
-    trajectories stays."""
+    The live runtime replays (runtime/live_turns.py): no tool process keeps state between
+    calls — each call of a stateful tool carries its history and its fresh child re-runs
+    it — so a resumed call is issued again exactly as it first was, on any node. A tool
+    neither idempotent nor replayable cannot be: re-running its call would repeat its side
+    effects, and resampling the group is correct whatever the tool does."""
     trajs = list(group)
     actions = tuple(resume_action(t) for t in trajs)
     for traj, action in zip(trajs, actions, strict=True):
         if action == "drop" or (action == "replay" and not can_replay):
             return GroupResume(True, actions, _why(traj, action))
+        if action == "replay":
+            try:
+                replay_history(traj)
+            except ValueError as exc:
+                tool = traj.calls[-1].tool
+                why = f"trajectory {traj.traj_id} waits on tool {tool!r}, whose state "
+                return GroupResume(True, actions, why + f"cannot be rebuilt ({exc})")
     return GroupResume(False, actions)
 
 
@@ -457,7 +501,7 @@ def _why(traj: Trajectory, action: ResumeAction) -> str:
     if action == "replay":
         return (
             f"trajectory {traj.traj_id} waits on tool {pending.tool!r}, which is not "
-            "idempotent, and replaying its calls is not supported"
+            "idempotent, and this runtime does not replay calls"
         )
     return (
         f"trajectory {traj.traj_id} waits on tool {pending.tool!r}, which is neither "

@@ -57,12 +57,14 @@ TurnKind = Literal["done", "again", "call"]
 @dataclass(frozen=True, slots=True)
 class Turn:
     """What a finished turn did. `context`: the next turn's context length ("again");
-    `tool`/`args_json`: the call to run ("call")."""
+    `tool`/`args_json`: the call to run ("call"), `history` the arguments of the
+    trajectory's earlier calls of that tool when it is stateful (`ToolCall.history`)."""
 
     kind: TurnKind
     context: int = 0
     tool: str = ""
     args_json: str = ""
+    history: tuple[str, ...] = ()
 
 
 class TurnSource(Protocol):
@@ -239,34 +241,37 @@ class TurnLoop:
         if turn.kind != "call":
             raise ConservationError(f"sample {s.sample_id}: unknown turn kind {turn.kind!r}")
         s.tool_calls += 1
-        self._park(s, turn.tool, turn.args_json, ev.rid, self._affinity(ev), ev.length)
+        self._park(s, turn, ev.rid, self._affinity(ev), ev.length)
         return False
 
-    def _park(
-        self, s: Sample, tool: str, args_json: str, rid: str, idx: int = -1, prefix: int = 0
-    ) -> None:
+    def _park(self, s: Sample, turn: Turn, rid: str, idx: int = -1, prefix: int = 0) -> None:
         call_id, self._next_call = self._next_call, self._next_call + 1
-        self.parked[call_id] = Parked(s, self.coord.cluster.now(), tool, rid, idx, prefix)
+        self.parked[call_id] = Parked(s, self.coord.cluster.now(), turn.tool, rid, idx, prefix)
         self.stats.calls += 1
         self.coord.cluster.call_tool(
-            ToolCall(call_id, s.sample_id, tool, args_json, self.call_timeout_s)
+            ToolCall(
+                call_id, s.sample_id, turn.tool, turn.args_json, self.call_timeout_s, turn.history
+            )
         )
 
     def resume(self, s: Sample) -> bool:
         """Resume from a checkpoint: when `s` was parked, its pending call is issued again
-        (the source renumbers it; an idempotent call is simply re-run) and True."""
+        (the source's `resume_call`, a "call" Turn, renumbered: an idempotent call is
+        simply re-run, a stateful tool's carries its history as it first did) and True."""
         resume_call = getattr(self.source, "resume_call", None)
         call = None if resume_call is None else resume_call(s, self._next_call)
         if call is None:
             return False
-        tool, args_json = call
-        self._park(s, tool, args_json, rid="")
+        if call.kind != "call":
+            raise ConservationError(f"sample {s.sample_id}: resumed with a {call.kind!r} turn")
+        self._park(s, call, rid="")
         return True
 
     def resample_on_resume(self, rl: RLState) -> list[Sample]:
         """Resume from a checkpoint, before `resume`: every GRPO group a trajectory of
         which cannot continue (the source's `resample_reason`: a call pending on a tool
-        that is not idempotent, or a failed trajectory) is sampled again from scratch
+        neither idempotent nor replayable, a stateful tool's call whose history the saved
+        trajectory cannot rebuild, or a failed trajectory) is sampled again from scratch
         (`RLState.resample_group`), with one line saying why. Returns the samples dropped:
         none of them is queued, rewarded or trained."""
         reason = getattr(self.source, "resample_reason", None)

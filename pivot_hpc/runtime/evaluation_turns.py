@@ -55,7 +55,9 @@ class EvalTurns(LiveTurns):
                 if turn.kind == "call":
                     deadline = self.tools.call_timeout_s
                     service.submit(
-                        ToolCall(call_id, s.sample_id, turn.tool, turn.args_json, deadline)
+                        ToolCall(
+                            call_id, s.sample_id, turn.tool, turn.args_json, deadline, turn.history
+                        )
                     )
                     calls[call_id] = s
                     call_id += 1

@@ -10,6 +10,11 @@ string. Where a closing tag is one token (a chat model's `</tool_call>`), it is 
 token id; otherwise (the tiny character-level tokenizer) the turn runs on to its end of
 sequence and is cut here, right after the first call's closing tag: the tokens kept are
 the ones sampled, in order, so their logprobs stand; what followed is dropped unseen.
+
+A call of a stateful tool (replayable, not idempotent) carries the trajectory's earlier
+calls of it (`Trajectory.history`), which its sandbox child re-runs first; one that would
+carry more than tools.MAX_HISTORY_* is refused with an observation instead. On resume
+such a parked call is issued again with the same history (`resume_call`).
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.agentic.messages import ToolResult
-from pivot_hpc.agentic.tools import Refusal, build_registry, observation_body
+from pivot_hpc.agentic.tools import Refusal, build_registry, history_refusal, observation_body
 from pivot_hpc.agentic.trajectory import (
     CallRecord,
     Trajectory,
     encoder,
     observation_format,
+    replay_history,
     resume_action,
     resume_group,
 )
@@ -91,6 +97,10 @@ class LiveTurns:
         if parsed is None:
             traj.finish(truncated=result.finish_reason == "length")
             return Turn("done")
+        history: tuple[str, ...] = ()
+        if not isinstance(parsed, Refusal) and parsed.stateful:
+            history = tuple(traj.history(parsed.tool))
+            parsed = history_refusal(parsed.tool, history) or parsed
         if isinstance(parsed, Refusal):  # the model sees why and goes on
             obs, _ = self.fmt.encode(self.encode, parsed.body, traj.limits, close_turn=True)
             if traj.add_refusal(obs):
@@ -101,7 +111,7 @@ class LiveTurns:
         )
         if not traj.park(call):
             return Turn("done")  # no turn left to read the result: truncated, not run
-        return Turn("call", tool=parsed.tool, args_json=parsed.args_json)
+        return Turn("call", tool=parsed.tool, args_json=parsed.args_json, history=history)
 
     def observe(self, s: Sample, result: ToolResult) -> int | None:
         traj: Trajectory = s.payload.traj
@@ -114,29 +124,51 @@ class LiveTurns:
     def resample_reason(self, group: list[Sample]) -> str | None:
         """Resume from a checkpoint: why the GRPO group `group` (one prompt's samples) must
         be sampled again from scratch, or None when every trajectory of it can go on
-        (`resume_group`: a call pending on a tool neither idempotent nor replayable, or a
-        failed trajectory; a replayable one too, since nothing here replays: the sandbox
-        keeps no tool state between calls to rebuild)."""
+        (`resume_group`: a call pending on a tool neither idempotent nor replayable, a
+        stateful tool's call whose history the saved trajectory cannot rebuild, or a
+        failed trajectory; also a stateful call whose tool this run does not declare
+        stateful: there is no program to replay it)."""
         trajs = [x.payload.traj for x in group if x.payload.traj is not None]
-        return resume_group(trajs, can_replay=False).why
+        decision = resume_group(trajs, can_replay=True)
+        if decision.why is not None:
+            return decision.why
+        for traj, action in zip(trajs, decision.actions, strict=True):
+            if action != "replay":
+                continue
+            tool = traj.calls[-1].tool
+            spec = self.registry.get(tool)
+            if spec is None or not spec.stateful:
+                now = "does not declare it" if spec is None else "declares it stateless"
+                return (
+                    f"trajectory {traj.traj_id} waits on tool {tool!r}, whose calls "
+                    f"cannot be replayed: this run {now}"
+                )
+        return None
 
-    def resume_call(self, s: Sample, call_id: int) -> tuple[str, str] | None:
+    def resume_call(self, s: Sample, call_id: int) -> Turn | None:
         """Resume from a checkpoint: the call a parked trajectory issues again, renumbered
-        `call_id` (None: not parked). Only an idempotent call is issued again; the group of
-        any other was sampled again before (`resample_reason`), so one here is a bug."""
+        `call_id` (None: not parked): an idempotent call as it was, a stateful tool's with
+        its history (`replay_history`), as it first went. The group of any other was
+        sampled again before (`resample_reason`), so one here is a bug."""
         traj: Trajectory | None = s.payload.traj
         if traj is None or traj.state != "parked":
             return None
         action = resume_action(traj)
-        if action != "reissue":
+        history: tuple[str, ...] = ()
+        try:
+            if action == "replay":
+                history = replay_history(traj)
+            elif action != "reissue":
+                raise ValueError("neither idempotent nor replayable")
+        except ValueError as exc:
             raise ConservationError(
                 f"sample {s.sample_id} resumed waiting on tool {traj.calls[-1].tool!r} "
-                f"({action}), but its group was not sampled again"
-            )
+                f"({action}: {exc}), but its group was not sampled again"
+            ) from None
         pending = traj.pending
         assert pending is not None
         pending.call_id = call_id
-        return pending.tool, pending.args_json
+        return Turn("call", tool=pending.tool, args_json=pending.args_json, history=history)
 
     def response_len(self, s: Sample) -> int:
         return len(s.payload.traj.response_ids())

@@ -3,7 +3,9 @@ and the simulated cluster: a GRPO group with a trajectory that cannot continue (
 a tool neither idempotent nor replayable) is sampled again from scratch before anything is
 re-queued. Its samples are never trained; its prompt is, with fresh sample ids, in the
 same places of the batch; every kept sample is trained exactly once and every step still
-trains a full batch."""
+trains a full batch. A trajectory parked on a stateful tool's call (replayable, not
+idempotent) keeps its group: the call is issued again with its history, and its sandbox
+child gives the observation an uninterrupted run gets."""
 
 from __future__ import annotations
 
@@ -125,17 +127,18 @@ def test_a_group_that_cannot_continue_is_sampled_again_and_trained_once(
 # ---------------------------------------------------- live trajectories, saved as data
 @pytest.mark.usefixtures("declared")
 @pytest.mark.parametrize(
-    ("tool", "resampled"), [("counter", True), ("ledger", True), ("calculator", False)]
+    ("tool", "resampled"), [("counter", True), ("ledger", False), ("calculator", False)]
 )
 def test_the_coordinators_resume_reads_saved_live_trajectories(
     tool: str, resampled: bool, capsys
 ) -> None:
     """The coordinator's resume path (`Coordinator.restore`) on the live source's
     trajectories, through the checkpoint codec: a group with a trajectory parked on
-    `counter` (neither idempotent nor replayable) or `ledger` (replayable: nothing replays)
-    is sampled again — its rewarded sample no longer counts, its fresh samples are
-    queued from their prompt — while the other group's parked calculator call is issued
-    again and its trajectory between turns re-queued."""
+    `counter` (neither idempotent nor replayable) is sampled again — its rewarded sample
+    no longer counts, its fresh samples are queued from their prompt — while one parked
+    on `ledger` (stateful: replayed) or the calculator (idempotent) keeps its group; the
+    other group's parked calculator call is issued again and its trajectory between turns
+    re-queued."""
     import pivot_hpc.runtime.checkpointing  # noqa: F401  (registers the checkpoint types)
 
     cfg = tiny("pivot", "tools.enabled=true", "loop.batch_prompts=2", "loop.samples_per_prompt=2")
@@ -184,3 +187,73 @@ def test_the_coordinators_resume_reads_saved_live_trajectories(
     assert rollout.sequence(3).length == between.context_len > between.prompt_len
     assert 2 not in rollout
     assert job.cluster.tool_calls == len(parked)
+
+
+# ---------------------------------------------------- a stateful tool, replayed on resume
+@pytest.mark.timeout(120)
+def test_a_resumed_stateful_call_gives_the_uninterrupted_observation(capsys) -> None:
+    """`calc_memory` (its state `ans`, the fold of the trajectory's earlier calls):
+    a trajectory calls `6*7`, then `ans+1`, and is saved parked on the second call. The
+    coordinator resumed from that save keeps the group, issues the call again with the
+    same history, and the real sandbox answers it as in the uninterrupted run (43, not 1):
+    the trajectory goes on with the same tokens."""
+    import pivot_hpc.runtime.checkpointing  # noqa: F401  (registers the checkpoint types)
+    from pivot_hpc.agentic.config import ToolsConfig
+    from pivot_hpc.agentic.messages import ToolCall
+    from pivot_hpc.agentic.sandbox import SandboxLimits
+    from pivot_hpc.agentic.server import SandboxServer
+    from pivot_hpc.agentic.tools import build_registry
+    from pivot_hpc.coordinator.events import ToolReturned
+    from pivot_hpc.data.problem import Problem
+    from pivot_hpc.rl.config import RLConfig
+    from pivot_hpc.runtime.live_samples import LiveSamples
+    from tests.unit.test_tool_resume import TOK, turn_call
+
+    cfg = tiny("pivot", "tools.enabled=true", "loop.batch_prompts=1", "loop.samples_per_prompt=2")
+    memory = ToolsConfig(enabled=True, tools=("calc_memory",))
+
+    def job_on():
+        src = LiveSamples([Problem("What is 6*7+1? ", "43")], TOK, RLConfig(), tools=memory)
+        job = builder.build(cfg, SimBackend())
+        job.coordinator.rl.source = job.coordinator.turns.source = src  # live trajectories
+        return job, src
+
+    with SandboxServer(build_registry(["calc_memory"]), SandboxLimits()) as server:
+
+        def run(call: ToolCall):
+            return server.call(call, timeout_s=30)
+
+        # uninterrupted
+        job, src = job_on()
+        s, _between = job.coordinator.rl.release()  # the other: between turns
+        first = turn_call(src, s, "<calc>6*7</calc>", 0)
+        r1 = run(ToolCall(0, 0, first.tool, first.args_json, 5.0, first.history))
+        assert (r1.status, r1.text) == ("ok", "42") and src.observe(s, r1) is not None
+        second = turn_call(src, s, "<calc>ans+1</calc>", 1)
+        assert second.history == (first.args_json,)
+        state = codec.loads(codec.dumps(job.coordinator.rl.state()), "rl_state.json")
+        r2 = run(ToolCall(1, 0, second.tool, second.args_json, 5.0, second.history))
+        assert (r2.status, r2.text) == ("ok", "43") and src.observe(s, r2) is not None
+
+        # resumed from the save, parked on the second call
+        job, _ = job_on()
+        coord, issued = job.coordinator, []
+        job.cluster.call_tool = issued.append  # the call goes to the real sandbox below
+        coord.rl.restore(state)
+        coord.restore(coord.rl.batches, {})
+        assert "sampled again" not in capsys.readouterr().out  # the group is kept
+        (call,) = issued
+        assert (call.tool, call.args_json, call.history) == (
+            second.tool,
+            second.args_json,
+            second.history,
+        )
+        resumed = run(call)
+        assert (resumed.status, resumed.text) == (r2.status, r2.text)
+        coord.turns.on_result(ToolReturned(coord.cluster.now(), resumed))
+        back = next(x for x in coord.rl.batches[0] if x.sample_id == s.sample_id)
+        assert back.payload.traj.context_ids() == s.payload.traj.context_ids()
+        assert back.payload.traj.calls[-1].status == "ok"
+        assert coord.schedulers["rollout"].sequence(s.sample_id).length == len(
+            s.payload.traj.context_ids()
+        )  # its next turn is queued from there

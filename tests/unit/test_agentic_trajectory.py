@@ -18,6 +18,7 @@ from pivot_hpc.agentic.trajectory import (
     encoder,
     observation_format,
     preserves_prefix,
+    replay_history,
     resume_action,
     resume_group,
     template_delta,
@@ -206,10 +207,15 @@ def test_resume_rule():
         "drop",
     ]
     assert [c.call_id for c in calls_to_issue(reissue)] == [2]
-    assert [c.call_id for c in calls_to_issue(replay)] == [1, 2]  # the history, in order
+    # the history (the earlier answered calls of its tool, in order), then the call
+    assert [c.call_id for c in calls_to_issue(replay)] == [1, 2]
+    assert replay.history("calculator") == ['{"expression":"1+1"}'] and not replay.history("x")
+    assert replay_history(replay) == ('{"expression":"1+1"}',)
+    with pytest.raises(ValueError, match="not parked on a replayable call"):
+        replay_history(reissue)
     assert calls_to_issue(drop) == [] and calls_to_issue(done) == []
     assert not resume_group([gen, done, reissue, replay], can_replay=True).resample
-    assert resume_group([gen, done, reissue, replay]).resample  # no runtime replays yet
+    assert resume_group([gen, done, reissue, replay]).resample  # a runtime that cannot
     group = resume_group([done, drop])
     assert group.resample and group.actions == ("keep", "drop")
     # the rule also holds on the data read back from a checkpoint

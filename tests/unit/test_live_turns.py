@@ -159,7 +159,9 @@ def test_a_parked_trajectory_is_saved_as_data_and_its_call_issued_again() -> Non
     src.turn(s, len(r.token_ids), r, call_id=5)
     back = codec.loads(codec.dumps(s), "test")
     assert back.payload.traj.to_dict() == s.payload.traj.to_dict()
-    assert src.resume_call(back, 11) == ("calculator", '{"expression":"47+38"}')
+    again = src.resume_call(back, 11)
+    assert (again.kind, again.tool, again.history) == ("call", "calculator", ())
+    assert again.args_json == '{"expression":"47+38"}'
     assert back.payload.traj.pending.call_id == 11  # the result it waits for now
     assert src.resume_call(src.make(1, 0, 0, 0), 12) is None  # not parked: not a call
 

@@ -1,6 +1,7 @@
 """Resuming tool-calling rollouts (issue 37 §5), the pure parts: the group rule
 (`resume_group`: a group with a trajectory that cannot continue is resampled, and says
-why), the RL state's in-place resampling of one group (fresh ids, same prompt and places,
+why; one parked on a stateful tool's call is replayed when its history can be rebuilt),
+the RL state's in-place resampling of one group (fresh ids, same prompt and places,
 rewards uncounted), and the live source's reading of saved trajectories."""
 
 from __future__ import annotations
@@ -8,9 +9,11 @@ from __future__ import annotations
 import pytest
 
 from pivot_hpc.agentic.config import ToolsConfig
-from pivot_hpc.agentic.tools import BUILTIN_TOOLS, ToolSpec
-from pivot_hpc.agentic.trajectory import CallRecord, Trajectory, resume_group
+from pivot_hpc.agentic.messages import ToolResult
+from pivot_hpc.agentic.tools import BUILTIN_TOOLS, MAX_HISTORY_CALLS, ToolSpec
+from pivot_hpc.agentic.trajectory import CallRecord, Trajectory, TrajectoryLimits, resume_group
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState, Sample
+from pivot_hpc.coordinator.turns import Turn
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SeqResult
 from pivot_hpc.models.tokenizer import build_tokenizer
@@ -50,8 +53,36 @@ def test_a_replayable_call_resamples_unless_the_runtime_replays() -> None:
     group = [traj(0, "gen"), traj(1, "parked", "ledger", idem=False, replay=True)]
     r = resume_group(group)
     assert r.resample and r.actions == ("continue", "replay")
-    assert r.why is not None and "'ledger'" in r.why and "replaying" in r.why
+    assert r.why is not None and "'ledger'" in r.why and "does not replay" in r.why
     assert not resume_group(group, can_replay=True).resample
+
+
+def stateful_history(*args_json: str) -> Trajectory:
+    """A trajectory that called `ledger` with each of `args_json` and is parked on one
+    more call of it."""
+    t = Trajectory(5, [1, 2, 3], TrajectoryLimits(max_turns=64, max_context_tokens=4096))
+    for i, a in enumerate((*args_json, "{}")):
+        t.add_generation([4, 5], None, 0)
+        assert t.park(CallRecord(i, "ledger", a, False, True))
+        if i < len(args_json):
+            t.add_observation([6], "ok", 0.01)
+    return t
+
+
+@pytest.mark.parametrize(
+    ("history", "why"),
+    [
+        (["[1]"], "earlier call 0 are not a JSON object"),
+        (["{}"] * (MAX_HISTORY_CALLS + 1), f"at most {MAX_HISTORY_CALLS} earlier calls"),
+    ],
+)
+def test_a_replayable_call_whose_history_cannot_be_rebuilt_resamples(history, why) -> None:
+    group = [traj(0, "done"), stateful_history(*history)]
+    assert resume_group([traj(0, "done"), stateful_history("{}")], can_replay=True).why is None
+    r = resume_group(group, can_replay=True)
+    assert r.resample and r.actions == ("keep", "replay")
+    assert r.why is not None and "'ledger'" in r.why and "cannot be rebuilt" in r.why
+    assert why in r.why and "\n" not in r.why
 
 
 def test_a_failed_trajectory_resamples_its_group() -> None:
@@ -124,25 +155,75 @@ def turn(src: LiveSamples, s: Sample, text: str, call_id: int) -> str:
     return src.turn(s, len(out), res, call_id).kind
 
 
+def turn_call(src: LiveSamples, s: Sample, text: str, call_id: int) -> Turn:
+    """`s`'s turn `text`, which must call a tool: the call as the source made it."""
+    out = [*TOK.encode(text, add_special_tokens=False), TOK.eos_token_id]
+    res = SeqResult(s.sample_id, s.payload.traj.context_ids(), out, [-0.1] * len(out), "stop")
+    made = src.turn(s, len(out), res, call_id)
+    assert made.kind == "call", made
+    return made
+
+
 def call(tool: str) -> str:
     return f'<tool_call>{{"name": "{tool}", "arguments": {{}}}}</tool_call>'
 
 
 @pytest.mark.usefixtures("declared")
-@pytest.mark.parametrize(
-    ("tool", "why"), [("counter", "neither idempotent"), ("ledger", "replaying")]
-)
-def test_the_live_source_reads_the_rule_from_saved_trajectories(tool: str, why: str) -> None:
+def test_the_live_source_reads_the_rule_from_saved_trajectories() -> None:
     src = live()
     parked, done, fresh = (src.make(i, 0, 0, i) for i in range(3))
-    assert turn(src, parked, call(tool), 0) == "call"
+    assert turn(src, parked, call("counter"), 0) == "call"
     assert turn(src, done, "85", 1) == "done"
     reason = src.resample_reason([parked, done, fresh])
-    assert reason is not None and f"'{tool}'" in reason and why in reason
+    assert reason is not None and "'counter'" in reason and "neither idempotent" in reason
     assert src.resample_reason([done, fresh]) is None
     # its call is never issued again: reaching it means the group was not resampled
     with pytest.raises(ConservationError, match="not sampled again"):
         src.resume_call(parked, 5)
+
+
+@pytest.mark.usefixtures("declared")
+def test_a_stateful_call_keeps_its_group_and_is_issued_again_with_its_history() -> None:
+    """`ledger` (replayable, not idempotent): each call carries the earlier ones of the
+    trajectory; the one parked at the save is issued again on resume with the same
+    history it first went with."""
+    src = live()
+    s, done = src.make(0, 0, 0, 0), src.make(1, 0, 0, 1)
+    first = turn_call(src, s, call("ledger"), 0)
+    assert first.history == ()
+    assert src.observe(s, ToolResult(0, "ok", "1", 0.01)) is not None
+    assert turn(src, s, "<calc>1+1</calc>", 1) == "call"  # another tool: not its history
+    assert src.observe(s, ToolResult(1, "ok", "2", 0.01)) is not None
+    second = turn_call(src, s, call("ledger"), 2)
+    assert second.history == ("{}",)
+    assert turn(src, done, "85", 3) == "done"
+    assert src.resample_reason([s, done]) is None  # no line: nothing resampled
+    again = src.resume_call(s, 9)
+    assert (again.kind, again.tool, again.args_json, again.history) == (
+        "call",
+        "ledger",
+        second.args_json,
+        second.history,
+    )
+    assert s.payload.traj.pending.call_id == 9
+
+
+@pytest.mark.usefixtures("declared")
+def test_a_stateful_call_this_run_cannot_replay_resamples_its_group(monkeypatch) -> None:
+    """Resumed by a run that no longer declares the tool stateful, or not at all: nothing
+    can replay it, so its group is resampled, with the reason."""
+    src = live()
+    s = src.make(0, 0, 0, 0)
+    turn_call(src, s, call("ledger"), 0)
+    stateless = ToolSpec("ledger", "now stateless", NO_ARGS, "print(1)", True, True)
+    monkeypatch.setitem(BUILTIN_TOOLS, "ledger", lambda: stateless)
+    again = live()
+    reason = again.resample_reason([s])
+    assert reason is not None and "'ledger'" in reason and "declares it stateless" in reason
+    calc_only = ToolsConfig(enabled=True, tools=("calculator",))
+    gone = LiveSamples([Problem("What is 47+38? ", "85")], TOK, RLConfig(), tools=calc_only)
+    reason = gone.resample_reason([s])
+    assert reason is not None and "'ledger'" in reason and "does not declare it" in reason
 
 
 @pytest.mark.usefixtures("declared")
@@ -151,4 +232,9 @@ def test_an_idempotent_call_keeps_its_group_and_is_issued_again() -> None:
     s = src.make(0, 0, 0, 0)
     assert turn(src, s, "<calc>47+38</calc>", 0) == "call"
     assert src.resample_reason([s, src.make(1, 0, 0, 1)]) is None
-    assert src.resume_call(s, 9) == ("calculator", '{"expression":"47+38"}')
+    again = src.resume_call(s, 9)
+    assert (again.tool, again.args_json, again.history) == (
+        "calculator",
+        '{"expression":"47+38"}',
+        (),
+    )

@@ -36,7 +36,7 @@ class Script:
         return 42
 
     def resume_call(self, s, call_id):
-        return ("calculator", "{}") if s.sample_id == 9 else None
+        return Turn("call", tool="calculator", args_json="{}") if s.sample_id == 9 else None
 
 
 def loop(source) -> tuple[TurnLoop, SimpleNamespace, list]:
