@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import sys
 import tempfile
@@ -47,6 +48,15 @@ DEATHS = ("crash", "unavailable")  # statuses that mean the sandbox, not the cal
 
 def _print_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _test_delay() -> float:
+    """PIVOT_HPC_TOOL_DELAY_S, a test hook (0 when unset or not a finite number >= 0)."""
+    try:
+        value = float(os.environ.get("PIVOT_HPC_TOOL_DELAY_S", "0"))
+    except ValueError:
+        return 0.0
+    return value if 0 < value < 3600 else 0.0
 
 
 class SandboxServer:
@@ -78,6 +88,10 @@ class SandboxServer:
         self._done: queue.SimpleQueue[ToolResult] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._outstanding = 0
+        # Test hook: seconds every call waits before it runs, so that a live test can stop
+        # a job while trajectories are surely parked on calls (tests/mpi/test_tools_live.py).
+        self._test_delay_s = _test_delay()
+        self._closing = threading.Event()  # ends a test-hook delay at close
         self._deaths_in_a_row = 0
         self._unhealthy: str | None = None
         self._closed = False
@@ -144,6 +158,8 @@ class SandboxServer:
                 self._outstanding -= 1
 
     def _run_safely(self, call: ToolCall, publish: bool = True) -> ToolResult:
+        if self._test_delay_s > 0:
+            self._closing.wait(self._test_delay_s)
         try:
             result = self._run(call)
         except Exception as exc:  # a bug here must not lose the call or kill the pool
@@ -207,6 +223,7 @@ class SandboxServer:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         remove_tree(self._root)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,21 +27,30 @@ CONFIG = "configs/tiny-tools.yaml"
 
 @pytest.mark.timeout(1200)
 def test_a_tools_run_trains_on_calls_and_resumes_its_trajectories(tmp_path: Path) -> None:
-    """SIGTERM mid-run: trajectories in flight — parked on a call or between turns — are
-    saved as data; the resumed allocation issues parked calls again (the calculator is
-    idempotent) and trains every sample exactly once. Most trajectories called the
-    calculator, every call was answered, and the report counts them (one job for both
-    checks: each tools job costs minutes of CI)."""
+    """SIGTERM while trajectories wait on tool calls: trajectories in flight — parked on a
+    call or between turns — are saved as data; the resumed allocation issues parked calls
+    again and trains every sample exactly once. The tool is the stateful calculator
+    (`calc_memory`: replayable, not idempotent), so a parked call is replayed with its
+    trajectory's earlier calls in the real sandbox instead of its group being resampled.
+    In the first allocation every call is held 20 s (a test hook), and the job is stopped
+    10 s after its workers are ready: the first turns have called by then (a few seconds),
+    and none of those calls has returned. Most trajectories called the tool, every call
+    was answered, and the report counts them (one job for all these checks: each tools job
+    costs minutes of CI)."""
     from pivot_hpc.checkpoint import store
     from pivot_hpc.runtime.checkpointing import load_rl_state
 
     base = ["loop.steps=4", "loop.batch_prompts=4", "loop.eval_problems=0"]
-    base += ["checkpoint.interval_steps=0"]
+    base += ["checkpoint.interval_steps=0", "tools.tools=[calc_memory]"]
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
     proc = start_job(
-        run_command(run_dir, *base, config=CONFIG), log, PIVOT_HPC_DECODE_DELAY_S="0.05"
+        run_command(run_dir, *base, config=CONFIG),
+        log,
+        PIVOT_HPC_DECODE_DELAY_S="0.05",
+        PIVOT_HPC_TOOL_DELAY_S="20",
     )
-    wait_for(log, "step 1/4", proc, timeout=600)
+    wait_for(log, "workers ready", proc, timeout=600)
+    time.sleep(10)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=300) == 3, log.read_text()[-3000:]
     (ckpt,) = store.complete(run_dir)
@@ -50,6 +60,7 @@ def test_a_tools_run_trains_on_calls_and_resumes_its_trajectories(tmp_path: Path
     ]
     states = {t.state for t in in_flight}
     assert states <= {"gen", "parked"}, states
+    assert "parked" in states, states  # held 20 s: those issued wait at the stop
     out = subprocess.run(
         run_command(run_dir, *base, config=CONFIG),
         cwd=ROOT,
@@ -59,6 +70,7 @@ def test_a_tools_run_trains_on_calls_and_resumes_its_trajectories(tmp_path: Path
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "pivot-hpc: done: 4 steps" in out.stdout
+    assert "is sampled again" not in out.stdout  # parked calls replayed, no group resampled
     r = open_run(run_dir)
     trained, calls = r["trained"], r["tool_calls"]
     assert len(np.unique(trained["sample_id"])) == len(trained) == 4 * 16
