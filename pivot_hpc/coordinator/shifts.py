@@ -24,9 +24,14 @@ from pivot_hpc.coordinator.cluster import Cluster
 from pivot_hpc.coordinator.events import ReplicaFailed, SequenceFinished, ShiftDone
 from pivot_hpc.coordinator.monitor import ShiftClock
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState
+from pivot_hpc.errors import PivotError
 from pivot_hpc.planner import ShiftPlan, Topology, TrainingState, role_of
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING, SnapshotError
 from pivot_hpc.scheduler import MigrationResult, Scheduler
+
+
+class TrainingEngineLost(PivotError, RuntimeError):
+    """The training engine's process died twice within deployment.engine_restart_window_s."""
 
 
 class ShiftHost(Protocol):
@@ -118,8 +123,9 @@ class ShiftExecutor:
         soon as it is up; an excluded replica's GPUs leave inference whatever happens."""
         for g in self.c.topology.gpus_of(rid):
             owner = self.owner.get(g)
-            if owner in self.restarting:
+            if owner in self.restarting:  # the GPUs' next engine is `rid`'s: still a restart
                 self.restarting.discard(owner)
+                self.c.stats.engine_restarts += 1
             elif owner in self.reviving and self.shifting.get(owner) == "up":
                 self.retiring.add(owner)
         for other in [r for r in self.pending_up if r in self.reviving]:
@@ -323,6 +329,9 @@ class ShiftExecutor:
         GPUs (the shift-up reads the current policy from GPS before it serves), or, dying
         within the restart window of its last death, excluded. The engine of a role its
         GPU was not serving is replaced at that GPU's next shift-up (the worker drops it)."""
+        if ev.role == TRAINING:
+            self._training_failed(ev)
+            return
         stats = self.c.stats
         stats.engine_failures += 1
         stats.sequences_recovered += ev.sequences
@@ -364,6 +373,37 @@ class ShiftExecutor:
             self.c.cluster.shift_down(rid)
         else:
             self.take_down([rid])
+
+    def _training_failed(self, ev: ReplicaFailed) -> None:
+        """The training engine's process died between steps (`rl.trainer.process: child`):
+        its worker has started a new one on the same GPU and refit it from GPS (the policy
+        and the optimizer state of the current version) before any training command, so
+        nothing moves here. Dying again within the restart window stops the job: training
+        cannot be excluded (nothing else would train)."""
+        stats = self.c.stats
+        stats.engine_failures += 1
+        last = self.died_at.get(TRAINING)
+        again = last is not None and ev.t - last < self.restart_window_s
+        self.died_at[TRAINING] = ev.t
+        self.c.telemetry.failure(
+            ev.t,
+            replica=TRAINING,
+            role=TRAINING,
+            action="stopped" if again else "restart",
+            sequences=0,
+            tokens_kept=0,
+            tokens_lost=0,
+            cause=ev.cause[:200],
+        )
+        print(f"pivot-hpc: {ev.where}: {ev.cause}", flush=True)
+        if again:
+            raise TrainingEngineLost(
+                f"the {ev.where} died again {ev.t - last:.0f}s after its last death "
+                f"(deployment.engine_restart_window_s={self.restart_window_s:g}): training "
+                "cannot be excluded, so the job stops; run the same command (same --run-dir) "
+                "to resume from the last checkpoint"
+            )
+        stats.engine_restarts += 1
 
     def send_version(self, rid: str, have: int | None = None) -> None:
         """The one place a rollout replica is told the current policy version (it loads

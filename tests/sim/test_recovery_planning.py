@@ -56,7 +56,8 @@ def test_a_replica_asked_up_on_a_restarting_engines_gpus_takes_them_over() -> No
     assert not coord.settled()  # that shift-up is the mode's: it waits for it
     shifts.on_shift_done(ShiftDone(cluster.now(), "rollout:1", "down", {}))
     assert shifts.shifting == {"reward:1": "up"} and shifts.owner[1] == "reward:1"
-    assert coord.stats.engine_restarts == 0 and not shifts.recovering()
+    assert not shifts.recovering()
+    assert coord.stats.engine_restarts == 1  # the GPUs' engine restarted, as reward:1's
     shifts.on_shift_done(ShiftDone(cluster.now(), "reward:1", "up", {}))
     shifts.activate_arrived()
     assert coord.idle() and "reward:1" in coord.schedulers["reward"].replicas
@@ -133,3 +134,25 @@ def test_plans_and_stages_go_on_while_engines_restart(mode: str, capsys) -> None
     for role in ("rollout", "reward"):
         coord.schedulers[role].check_invariants()
     capsys.readouterr()
+
+
+def test_a_training_engine_death_is_counted_and_a_second_within_the_window_stops_the_job(
+    capsys,
+) -> None:
+    """`rl.trainer.process: child`: the worker restarts its trainer child itself; the
+    coordinator counts it and moves nothing. Training cannot be excluded: a second death
+    within deployment.engine_restart_window_s stops the job, naming the rank."""
+    from pivot_hpc.coordinator.shifts import TrainingEngineLost
+
+    coord, cluster = _serving("rollout:1")
+    shifts = coord.shifts
+    where = "training engine of rank 4"
+    before = (dict(shifts.shifting), set(shifts.recovering()))
+    shifts.on_failure(ReplicaFailed(cluster.now(), "training", "training", where, "killed"))
+    assert (dict(shifts.shifting), set(shifts.recovering())) == before  # nothing moves
+    assert coord.stats.engine_failures == 1 and coord.stats.engine_restarts == 1
+    assert coord.stats.excluded == [] and shifts.died_at["training"] == cluster.now()
+    assert f"pivot-hpc: {where}: killed" in capsys.readouterr().out
+    with pytest.raises(TrainingEngineLost, match=f"the {where} died again .*resume"):
+        shifts.on_failure(ReplicaFailed(cluster.now(), "training", "", where, "again"))
+    assert coord.stats.engine_failures == 2 and coord.stats.engine_restarts == 1
