@@ -23,6 +23,13 @@ one-rank torch.distributed group through a `vllm_dist_<uuid>` file store in the 
 directory, which only the store's destructor removes; a child ends with `os._exit` (or
 SIGKILL), so every vLLM start used to leave one behind. Torch inductor's compile cache
 stays where the rank's is (TORCHINDUCTOR_CACHE_DIR): a restart compiles nothing again.
+
+`ChildTrainer` runs the training engine (`rl.trainer.process: child`) through the same
+machinery (`_ChildProcess`: spawn, calls, liveness, watchdog, `_died`; `kind` "train"
+picks what the child builds). It trains alone: its child makes a torch.distributed world
+of one rank with a file store in its own temporary directory (`PIVOT_HPC_STORE`, the
+rank's training world, is not passed on either), and it dies with its rank
+(PR_SET_PDEATHSIG: SIGKILL; a step in progress would otherwise hold its GPU until it ends).
 """
 
 from __future__ import annotations
@@ -48,40 +55,52 @@ from pivot_hpc.errors import PivotError
 # or a member of the rank's torch.distributed world
 _MPI_ENV = ("OMPI_", "PMIX_", "PMI_", "MPI4PY_")
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+STORE_ENV = "PIVOT_HPC_STORE"  # the training world's file store (megatron_model.STORE_ENV)
 # how often a rank waiting for a reply checks that the child still lives: the pipe alone
 # would not tell if a process the child started kept its end open
 _LIVENESS_S = 0.5
 KINDS = ("hf", "vllm")
 _TMP_ENV = "PIVOT_HPC_ENGINE_TMPDIR"  # the child's own temporary directory (removed at exit)
+# a child that must die with its rank (ChildTrainer): the rank's pid, for PR_SET_PDEATHSIG
+_PARENT_ENV = "PIVOT_HPC_ENGINE_PARENT"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class EngineProcessError(PivotError, RuntimeError):
     """The engine process of a worker is gone (exit code or signal named)."""
 
 
-class ChildEngine:
-    """An InferenceEngine whose engine runs in a child process.
-
-    kind "hf": `kwargs` are HFEngine's keyword arguments plus `device`. kind "vllm":
-    make_vllm_engine's keyword arguments (`ec`, `role`, `tp`, `kv_capacity_tokens`,
-    `seed`). Values must pickle. `watchdog_s`: a call not answered within this many
-    seconds (the process alive but hung) kills the process and raises EngineProcessError
-    (`engines.<role>.watchdog_timeout_s`); None: wait as long as it lives."""
+class _ChildProcess:
+    """The machinery every engine child shares: the shielded spawn, one call per request
+    and reply over the pipe pair, the liveness check while waiting, the watchdog and the
+    words of a death (`_died`). `kind` picks what the child builds (`_build`); `name`
+    words its errors ("<name> engine process PID …"). `pdeathsig`: the child is killed
+    (SIGKILL) as soon as the thread that started it ends (the rank's main thread: start
+    it from no other), even in the middle of a call."""
 
     def __init__(
-        self, kind: str, model_dir: str, kwargs: dict[str, Any], watchdog_s: float | None = None
+        self,
+        kind: str,
+        start_args: tuple[Any, ...],
+        *,
+        name: str,
+        watchdog_s: float | None,
+        pdeathsig: bool = False,
     ) -> None:
         self.watchdog_s = watchdog_s
-        if kind not in KINDS:
-            raise ValueError(f"ChildEngine: kind {kind!r} is not one of {KINDS}")
+        self.kind = name
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         env = {
-            k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV) and k not in _DIST_ENV
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(_MPI_ENV) and k not in _DIST_ENV and k != STORE_ENV
         }
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+        if pdeathsig:
+            env[_PARENT_ENV] = str(os.getpid())
         # the child's temporary files: removed at its exit and by `_stop` (module docstring)
-        self.tmp_dir = tempfile.mkdtemp(prefix=f"pivot-{kind}-engine-")
+        self.tmp_dir = tempfile.mkdtemp(prefix=f"pivot-{name}-engine-")
         env["TMPDIR"] = env[_TMP_ENV] = self.tmp_dir
         log_fd = _rank_log_fd()
         fds = (to_child_r, from_child_w) + ((log_fd,) if log_fd is not None else ())
@@ -105,19 +124,15 @@ class ChildEngine:
         self._send = Connection(to_child_w, readable=False)
         self._recv = Connection(from_child_r, writable=False)
         self.pid = self._proc.pid
-        self.kind = kind
         try:
-            info = self._call("_start", kind, model_dir, kwargs)
+            self.info: dict[str, Any] = self._call("_start", kind, *start_args)
         except BaseException:
             self._stop()
             raise
-        self.weights_device: str = info["weights_device"]
-        self.version: int = info["version"]
-        self.info: dict[str, Any] = info  # the engine's limits (max_batch, kv_capacity, ...)
 
-    def _call(self, name: str, *args: Any) -> Any:
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            self._send.send_bytes(pickle.dumps((name, args)))
+            self._send.send_bytes(pickle.dumps((name, args, kwargs)))
             deadline = None if self.watchdog_s is None else time.monotonic() + self.watchdog_s
             while not self._recv.poll(_LIVENESS_S):
                 if self._proc.poll() is not None and not self._recv.poll(0):
@@ -127,7 +142,7 @@ class ChildEngine:
                     self._proc.wait()
                     raise EngineProcessError(
                         f"{self.kind} engine process {self._proc.pid} did not answer {name} "
-                        f"within {self.watchdog_s:g}s (engines.<role>.watchdog_timeout_s): "
+                        f"within {self.watchdog_s:g}s ({self._watchdog_key}): "
                         "killed by the watchdog"
                     )
             # a message from this rank's own child over its private pipe, never a file
@@ -137,6 +152,8 @@ class ChildEngine:
         if not ok:
             raise value
         return value
+
+    _watchdog_key = "engines.<role>.watchdog_timeout_s"
 
     def _died(self, name: str) -> EngineProcessError:
         try:
@@ -153,6 +170,48 @@ class ChildEngine:
         return EngineProcessError(
             f"{self.kind} engine process {self._proc.pid} {how} (during {name})"
         )
+
+    def exit_code(self) -> int | None:
+        """None while the process lives; else its exit code (-N: killed by signal N)."""
+        return self._proc.poll()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._call("close")
+            except EngineProcessError:
+                pass
+        self._stop()
+
+    def _stop(self) -> None:
+        for conn in (self._send, self._recv):
+            conn.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()  # it ignores the job's signals: only SIGKILL is sure
+            self._proc.wait()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)  # gone with it: nothing writes there
+
+
+class ChildEngine(_ChildProcess):
+    """An InferenceEngine whose engine runs in a child process.
+
+    kind "hf": `kwargs` are HFEngine's keyword arguments plus `device`. kind "vllm":
+    make_vllm_engine's keyword arguments (`ec`, `role`, `tp`, `kv_capacity_tokens`,
+    `seed`). Values must pickle. `watchdog_s`: a call not answered within this many
+    seconds (the process alive but hung) kills the process and raises EngineProcessError
+    (`engines.<role>.watchdog_timeout_s`); None: wait as long as it lives."""
+
+    def __init__(
+        self, kind: str, model_dir: str, kwargs: dict[str, Any], watchdog_s: float | None = None
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"ChildEngine: kind {kind!r} is not one of {KINDS}")
+        super().__init__(kind, (model_dir, kwargs), name=kind, watchdog_s=watchdog_s)
+        info = self.info
+        self.weights_device: str = info["weights_device"]
+        self.version: int = info["version"]  # (info: the engine's limits, max_batch, ...)
 
     # ---- InferenceEngine -------------------------------------------------------------------
     def add(
@@ -205,23 +264,135 @@ class ChildEngine:
     def set_rng_state(self, state: Any) -> None:
         self._call("set_rng_state", state)
 
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                self._call("close")
-            except EngineProcessError:
-                pass
-        self._stop()
 
-    def _stop(self) -> None:
-        for conn in (self._send, self._recv):
-            conn.close()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()  # it ignores the job's signals: only SIGKILL is sure
-            self._proc.wait()
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)  # gone with it: nothing writes there
+class ChildTrainer(_ChildProcess):
+    """A TrainEngine (`rl.trainer.engine`, engines/train_factory.py) in a child process of
+    its rank (`rl.trainer.process: child`): one training rank alone, whose child makes a
+    torch.distributed world of its own (one rank, a file store in its own temporary
+    directory; no MPI, torch.distributed or `PIVOT_HPC_STORE` variables reach it).
+
+    Every TrainEngine call is one request (tensors by value: the batch, canonical weights
+    and optimizer state travel on the CPU); the attributes the runtime reads (`version`,
+    `steps`, `optimizer_step`, …) are asked for when read (`_get`). The child dies with
+    its rank (PR_SET_PDEATHSIG: SIGKILL), even inside a step. A dead child raises
+    EngineProcessError at the next call; `dead` tells it between calls (the worker then
+    starts a new one and refits it from GPS: runtime/worker.py)."""
+
+    _watchdog_key = "the training engine's watchdog"
+
+    def __init__(
+        self,
+        model_cfg: Any,
+        trainer: Any,
+        grpo: Any = None,
+        *,
+        max_response_tokens: int | None = None,
+        watchdog_s: float | None = None,
+        num_threads: int = 1,
+    ) -> None:
+        kwargs = {
+            "model_cfg": model_cfg,
+            "trainer": trainer,
+            "grpo": grpo,
+            "max_response_tokens": max_response_tokens,
+            "num_threads": num_threads,
+        }
+        super().__init__("train", (kwargs,), name="training", watchdog_s=watchdog_s, pdeathsig=True)
+        self.device = self.info["device"]  # fixed for the process's life (one rank)
+        self.dp: int = self.info["dp"]
+        self.dp_rank: int = self.info["dp_rank"]
+
+    @property
+    def dead(self) -> bool:
+        """The process is gone (between calls: a call on it raises EngineProcessError)."""
+        return self._proc.poll() is not None
+
+    def death(self) -> EngineProcessError:
+        """The error of a dead process, as a call on it would raise it (health check)."""
+        return self._died("health check")
+
+    def kill(self) -> None:
+        """SIGKILL the process and wait for it (the worker's test hook)."""
+        self._proc.kill()
+        self._proc.wait()
+
+    def _get(self, name: str) -> Any:
+        return self._call("_get", name)
+
+    # ---- attributes the runtime reads -----------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._get("version")
+
+    @property
+    def steps(self) -> int:
+        return self._get("steps")
+
+    @property
+    def optimizer_step(self) -> int:
+        return self._get("optimizer_step")
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return self._get("optimizer_offloaded")
+
+    @property
+    def memory_released(self) -> bool:
+        return self._get("memory_released")
+
+    # ---- TrainEngine ----------------------------------------------------------------------
+    def load_weights(self, tensors: Tensors) -> None:
+        self._call("load_weights", _on_cpu(tensors))
+
+    def train_step(self, batch: Any, loss: str = "grpo") -> dict[str, float]:
+        return self._call("train_step", batch, loss)
+
+    def compute_logprobs(self, batch: Any, **kwargs: Any) -> list[list[float]]:
+        return self._call("compute_logprobs", batch, **kwargs)
+
+    def export_weights(self) -> Tensors:
+        return self._call("export_weights")
+
+    def offload_optimizer(self) -> None:
+        self._call("offload_optimizer")
+
+    def reload_optimizer(self) -> None:
+        self._call("reload_optimizer")
+
+    def discard_optimizer(self) -> None:
+        self._call("discard_optimizer")
+
+    def release_memory(self) -> None:
+        self._call("release_memory")
+
+    def resume_memory(self) -> None:
+        self._call("resume_memory")
+
+    def use_data_parallel(self, group: Any, size: int, rank: int) -> None:
+        raise NotImplementedError(
+            "a training engine in a child process trains alone (rl.trainer.process=child)"
+        )
+
+    def optimizer_kinds(self) -> tuple[str, ...]:
+        return self._call("optimizer_kinds")
+
+    def optimizer_state(self) -> dict[str, Tensors]:
+        return self._call("optimizer_state")
+
+    def load_optimizer_state(self, state: dict[str, Tensors], *, step: int, version: int) -> None:
+        state = {k: _on_cpu(v) for k, v in state.items()}
+        self._call("load_optimizer_state", state, step=step, version=version)
+
+    def save(self, path: Any) -> None:
+        self._call("save", str(path))
+
+    def load(self, path: Any) -> None:
+        self._call("load", str(path))
+
+
+def _on_cpu(tensors: Tensors) -> dict[str, Any]:
+    """Tensors to send by value (a device tensor would pickle its device along)."""
+    return {k: v.cpu() if v.device.type != "cpu" else v for k, v in tensors.items()}
 
 
 def _inductor_cache_dir() -> str:
@@ -252,26 +423,24 @@ def _rank_log_fd() -> int | None:
 
 def _serve(recv: Connection, send: Connection) -> None:
     """The child: build the engine on `_start`, then answer calls until `close` or EOF."""
-    engine: InferenceEngine | None = None
+    engine: Any = None
     while True:
         try:
-            name, args = pickle.loads(recv.recv_bytes())  # from the parent rank's pipe
+            name, args, kwargs = pickle.loads(recv.recv_bytes())  # from the parent rank's pipe
         except (EOFError, OSError):
             return  # the rank is gone or closed the pipe
         try:
             if name == "_start":
                 engine = _build(*args)
-                value: Any = {
-                    k: getattr(engine, k)
-                    for k in ("weights_device", "version", "max_batch", "max_seq_len")
-                    if hasattr(engine, k)
-                }
-                value["kv_capacity"] = engine.stats().kv_capacity
+                value: Any = _describe(args[0], engine)
             elif name == "close":
                 value = None  # the process's exit frees it all, at once (vLLM's shutdown: s)
+            elif name == "_get":
+                assert engine is not None, "the engine was not started"
+                value = getattr(engine, args[0])
             else:
                 assert engine is not None, "the engine was not started"
-                value = getattr(engine, name)(*args)
+                value = getattr(engine, name)(*args, **kwargs)
             reply = (True, value)
         except Exception as exc:  # the rank re-raises it where the call was made
             reply = (False, exc)
@@ -280,7 +449,48 @@ def _serve(recv: Connection, send: Connection) -> None:
             return
 
 
-def _build(kind: str, model_dir: str, kwargs: dict[str, Any]) -> InferenceEngine:
+def _describe(kind: str, engine: Any) -> dict[str, Any]:
+    """What the rank keeps of a started engine: an inference engine's limits, or a
+    trainer's device and data parallelism (fixed for the process's life)."""
+    if kind == "train":
+        return {k: getattr(engine, k) for k in ("device", "dp", "dp_rank")}
+    value = {
+        k: getattr(engine, k)
+        for k in ("weights_device", "version", "max_batch", "max_seq_len")
+        if hasattr(engine, k)
+    }
+    value["kv_capacity"] = engine.stats().kv_capacity
+    return value
+
+
+def _build(kind: str, *args: Any) -> Any:
+    if kind == "train":
+        return _build_trainer(*args)
+    return _build_inference(kind, *args)
+
+
+def _build_trainer(kwargs: dict[str, Any]) -> Any:
+    """The training engine of this child: a torch.distributed world of one rank (no
+    launcher variables reach it; init_distributed makes a private file store in TMPDIR)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pivot_hpc.engines.train_factory import make_train_engine
+    from pivot_hpc.rl.config import GRPOConfig
+
+    torch.set_num_threads(kwargs["num_threads"])
+    cfg = SimpleNamespace(
+        rl=SimpleNamespace(
+            trainer=kwargs["trainer"],
+            grpo=kwargs["grpo"] or GRPOConfig(),
+            max_response_tokens=kwargs["max_response_tokens"],
+        )
+    )
+    return make_train_engine(cfg, kwargs["model_cfg"])
+
+
+def _build_inference(kind: str, model_dir: str, kwargs: dict[str, Any]) -> InferenceEngine:
     if kind == "vllm":
         from pivot_hpc.engines.vllm_launch import make_vllm_engine
 
@@ -292,6 +502,20 @@ def _build(kind: str, model_dir: str, kwargs: dict[str, Any]) -> InferenceEngine
     device = kwargs.pop("device", "cpu")
     model, tok = load_model(model_dir)
     return HFEngine(model.to(device), eos_token_id=tok.eos_token_id, **kwargs)
+
+
+def _die_with_parent(parent: int) -> None:
+    """PR_SET_PDEATHSIG(SIGKILL): the kernel kills this process when the thread that
+    started it (the rank's main thread) ends; a rank already gone before that was set
+    is seen as a new parent."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _route_logs(fd: int) -> None:
@@ -308,6 +532,8 @@ if __name__ == "__main__":
 
     for s in JOB_SIGNALS:  # already ignored since the fork; kept so even if started by hand
         signal.signal(s, signal.SIG_IGN)
+    if os.environ.get(_PARENT_ENV):
+        _die_with_parent(int(os.environ.pop(_PARENT_ENV)))
     if int(sys.argv[3]) >= 0:
         _route_logs(int(sys.argv[3]))
     _serve(

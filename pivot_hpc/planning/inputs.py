@@ -199,10 +199,10 @@ def _busiest_node(gpus: list[int], per_node: int) -> int:
 
 
 def _gps_models(
-    policy: ModelSpec, genrm: ModelSpec, nbytes: int, elastic: bool, masters: bool
+    policy: ModelSpec, genrm: ModelSpec, nbytes: int, optimizer: bool, masters: bool
 ) -> tuple[tuple[str, float, int, bool], ...]:
     models = [("policy", policy.params, nbytes, True), ("genrm", genrm.params, nbytes, False)]
-    if elastic:  # runtime/elastic.py: fp32 Adam moments (and masters), writable
+    if optimizer:  # runtime/elastic.py: fp32 Adam moments (and masters), writable
         kinds = ["exp_avg", "exp_avg_sq", *(["master"] if masters else [])]
         models += [(f"policy.{k}", policy.params, 4, True) for k in kinds]
     return tuple(models)
@@ -287,7 +287,14 @@ def live_inputs(cfg: Config) -> PlanInputs:
             distributed_optimizer=tr.distributed_optimizer,
         ),
         elastic=elastic,
-        gps_models=_gps_models(policy, genrm, nbytes, elastic, masters=tr.dtype != "fp32"),
+        # the optimizer state in GPS: for elastic joiners, or a restarted trainer child
+        gps_models=_gps_models(
+            policy,
+            genrm,
+            nbytes,
+            elastic or tr.process == "child",
+            masters=tr.dtype != "fp32",
+        ),
         host_read_gb_s=_host_read(gpu),
         **_common(cfg),
     )

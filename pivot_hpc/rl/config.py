@@ -133,8 +133,17 @@ class TrainerConfig:
     # "selective" recomputes core attention (drops the local spec's scores); "full" keeps
     # only each layer's input and re-runs the layer in backward (one more forward).
     recompute: Literal["none", "selective", "full"] = "none"
+    # Where the training engine runs. in_rank = in the worker rank's own process; child =
+    # in a child process of the rank (engines/child_engine.py `ChildTrainer`): a death of
+    # that process between steps restarts it on the same GPU, refit from GPS (the policy
+    # and the optimizer state, published after every step) — a death inside a step still
+    # stops the job (docs/engines.md). child: a one-rank training world only
+    # (training.num_gpus=1, tp=1, no elastic training, no distributed optimizer).
+    process: Literal["in_rank", "child"] = "in_rank"
 
     def validate(self, path: str) -> None:
+        if self.process not in ("in_rank", "child"):
+            fail(f"{path}.process", self.process, "valid choices: 'in_rank', 'child'")
         if self.dtype not in ("auto", "bf16", "fp32"):
             fail(f"{path}.dtype", self.dtype, "valid choices: 'auto', 'bf16', 'fp32'")
         if self.attention not in ("local", "sdpa"):

@@ -54,17 +54,24 @@ def optimizer_models(policy: ModelSpec, *, masters: bool) -> dict[str, ModelSpec
 
 
 def run_optimizer_models(cfg: Config, policy: ModelSpec) -> dict[str, ModelSpec]:
-    """A run's optimizer-state models: none without elastic training, nor with the
-    sharded optimizer (the training set owns all of it; a joiner reads none). Masters
-    wherever the trainer is not fixed to fp32 (every rank registers the same models,
-    before it knows whether it sees a GPU)."""
-    if not elastic_live(cfg) or cfg.rl.trainer.distributed_optimizer:
+    """A run's optimizer-state models: with elastic training (a joiner reads them) or a
+    training engine in a child process (`rl.trainer.process: child`: a restarted one
+    reads them, runtime/worker.py); none with the sharded optimizer (the training set
+    owns all of it; a joiner reads none). Masters wherever the trainer is not fixed to
+    fp32 (every rank registers the same models, before it knows whether it sees a GPU)."""
+    if not publishes_optimizer(cfg):
         return {}
     return optimizer_models(policy, masters=cfg.rl.trainer.dtype != "fp32")
 
 
 def elastic_live(cfg: Config) -> bool:
     return cfg.planner.elastic_training and cfg.deployment.mode == "pivot"
+
+
+def publishes_optimizer(cfg: Config) -> bool:
+    """Whether the training set writes its optimizer state to GPS (`run_optimizer_models`)."""
+    tr = cfg.rl.trainer
+    return (elastic_live(cfg) or tr.process == "child") and not tr.distributed_optimizer
 
 
 @dataclass(frozen=True)

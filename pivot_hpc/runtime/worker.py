@@ -27,11 +27,18 @@ from pivot_hpc.engines.base import TrainEngine
 from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.decode_steps import DecodeSteps
-from pivot_hpc.runtime.elastic import StepGroups, TrainingWorld, publish_optimizer, read_optimizer
+from pivot_hpc.runtime.elastic import (
+    OPTIMIZER_MODELS,
+    StepGroups,
+    TrainingWorld,
+    publish_optimizer,
+    read_optimizer,
+)
 from pivot_hpc.runtime.engine_guard import GuardedEngine
 from pivot_hpc.runtime.protocol import CMD, EVT
 
 LENGTHS_EVERY_S = 0.5
+TEST_KILL_TRAINER_ENV = "PIVOT_HPC_TEST_KILL_TRAINER_AFTER_STEP"  # a test hook (see Worker)
 IDLE_POLL_MAX_S = 0.005
 ROLES = ("rollout", "reward")
 
@@ -61,6 +68,10 @@ class Worker:
         # tests: seconds added to every decode step, so that sequences are still running
         # when a test signals or kills the job
         self.decode_delay_s = float(os.environ.get("PIVOT_HPC_DECODE_DELAY_S", "0"))
+        # tests: SIGKILL the trainer child (rl.trainer.process: child) right after this
+        # rank reports training step N done, a death between steps (TEST_KILL_TRAINER_ENV)
+        kill_after = os.environ.get(TEST_KILL_TRAINER_ENV)
+        self.test_kill_trainer_after = int(kill_after) if kill_after else None
 
     def yield_to_coordinator(self) -> None:
         """Where a node has fewer cores than ranks (a CPU workstation), workers run at a
@@ -92,6 +103,8 @@ class Worker:
             self.trainer.offload_optimizer()
             if self.extension and self.trainer.device.type == "cuda":
                 self.trainer.release_memory()  # GPS holds what it reads when it joins
+            if self._child_trainer and self.gps.version("policy") == self.trainer.version:
+                self._publish_optimizer()  # (resumed: after the checkpoint's restore)
             if self.cfg.rl.grpo.kl_coef > 0:  # KL reference: the frozen initial policy
                 from pivot_hpc.models.zoo import load_model
 
@@ -109,6 +122,9 @@ class Worker:
                 if isinstance(cmd, msg.Stop):
                     self.send(msg.Stopped())  # the coordinator drains up to this one,
                     MPI.Request.Waitall(self._sending)  # so every send completes
+                    child = self._trainer_process()
+                    if child is not None:
+                        child.close()  # (it would die with the rank: see ChildTrainer)
                     return cmd.code
                 self.handle(cmd)
                 self._report_failures()
@@ -137,6 +153,7 @@ class Worker:
                 for e in self.engines.values():
                     if isinstance(e, GuardedEngine):
                         e.check()  # a process gone between calls (an idle role's too)
+                self._check_trainer()
             self._report_failures()
             if busy:
                 backoff = 1e-3
@@ -174,6 +191,7 @@ class Worker:
 
     # ------------------------------------------------------------- commands
     def handle(self, cmd: msg.Command) -> None:
+        self._check_trainer()  # a trainer child dead between steps: restarted first
         kind = type(cmd).__name__.lower()  # PIVOT_HPC_FAULT names it so: "train", "save", …
         if self.fault and self.fault.split("@")[0] == kind:
             target = self.fault.partition("@")[2]
@@ -329,8 +347,13 @@ class Worker:
             dtypes = {t.name: getattr(torch, t.dtype) for t in spec.tensors}
             shards = {k: v.detach().to(dtypes[k]).contiguous() for k, v in weights.items()}
             version = self.gps.write("policy", self.training_ranks[:1], _tp1(), shards)
+            if self._child_trainer:  # what a restarted trainer child reads back
+                self._publish_optimizer()
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
         self.send(msg.Trained(step, metrics))
+        child = self._trainer_process()
+        if child is not None and step == self.test_kill_trainer_after:
+            child.kill()  # the test hook: a death between steps
 
     # ---------------------------------------------------------- checkpoints
     def _rng_state(self) -> dict:
@@ -383,6 +406,8 @@ class Worker:
         if self.trainer is not None:
             with self._optimizer_loaded():
                 self.trainer.load(os.path.join(path, "train"))
+            if self._child_trainer:
+                self._publish_optimizer()  # at the checkpoint's version
         self.send(msg.Restored(time.perf_counter() - t0))
 
     # ------------------------------------------------------------- builders
@@ -424,11 +449,70 @@ class Worker:
         from pivot_hpc.models.zoo import load_model
 
         model, _ = load_model(self.dirs["rollout"])
+        if self._child_trainer:  # one training rank alone: its child makes its own world
+            from pivot_hpc.engines.child_engine import ChildTrainer
+
+            rl = self.cfg.rl
+            return ChildTrainer(
+                model_config_of(model),
+                rl.trainer,
+                rl.grpo,
+                max_response_tokens=rl.max_response_tokens,
+            )
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["RANK"] = str(self.world.torch_rank(self.comm.Get_rank()))
         os.environ["WORLD_SIZE"] = str(len(self.world.ranks))
         torch.set_num_threads(1)
         return make_train_engine(self.cfg, model_config_of(model))
+
+    # --------------------------------------------------- trainer in a child process
+    @property
+    def _child_trainer(self) -> bool:
+        """`rl.trainer.process: child` (engines/child_engine.py `ChildTrainer`)."""
+        return self.cfg.rl.trainer.process == "child"
+
+    def _trainer_process(self):
+        """The trainer's child process (a `ChildTrainer`: its life beyond the TrainEngine
+        contract), or None for a trainer in this rank."""
+        from pivot_hpc.engines.child_engine import ChildTrainer
+
+        return self.trainer if isinstance(self.trainer, ChildTrainer) else None
+
+    def _publish_optimizer(self) -> None:
+        """The trainer child's optimizer state to GPS at its policy version (after each
+        step, at start and after a restore): what a restarted child reads back."""
+        rank = self.comm.Get_rank()
+        publish_optimizer(self.gps, self.trainer, rank, rank, self.trainer.version)
+
+    def _check_trainer(self) -> None:
+        """A trainer child found dead between steps (the 0.5 s health check, or the start
+        of a command) is started again on this GPU and refit from GPS before it is used:
+        the current policy and the optimizer state published with it. The coordinator
+        hears it (`EngineFailed`) and stops the job if it dies again within
+        deployment.engine_restart_window_s. A death inside a call (a step, a save) is
+        the call's EngineProcessError: the rank fails and the job stops, as it would
+        with the trainer in the rank."""
+        child = self._trainer_process()
+        if child is None or not child.dead:
+            return
+        cause = str(child.death())
+        self.send(msg.EngineFailed("training", cause, 0, 0, 0))
+        child.close()
+        version = self.gps.version("policy")
+        have = {k: self.gps.version(OPTIMIZER_MODELS[k]) for k in ("exp_avg", "exp_avg_sq")}
+        if any(v != version for v in have.values()):
+            raise RuntimeError(
+                f"the training engine process died ({cause}) but GPS holds the optimizer "
+                f"state of {have}, not of policy v{version}: it cannot be restarted; run the "
+                "same command to resume from the last checkpoint"
+            )
+        self.trainer = self._make_trainer()
+        self._load_policy_to_train(version)
+        read_optimizer(self.gps, self.trainer, self.comm.Get_rank(), version, timeout_s=5.0)
+        if self.role != "training":  # shifted down: as a shift-down leaves it
+            self.trainer.offload_optimizer()
+            if self.trainer.device.type == "cuda":
+                self.trainer.release_memory()
 
 
 def shard(batch, d: int, dp: int):

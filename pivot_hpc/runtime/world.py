@@ -122,6 +122,7 @@ def check_live_config(cfg: Config) -> None:
                 "for tensor-parallel replicas"
             )
     check_vllm_roles(cfg)
+    check_trainer_process(cfg)
     from pivot_hpc.rl.grpo import resolve_loss
 
     resolve_loss(cfg.rl.grpo.loss_fn)  # importable here; every rank imports it again
@@ -131,6 +132,34 @@ def check_live_config(cfg: Config) -> None:
             f"training.num_gpus={n_train} is not a multiple of rl.trainer.tp="
             f"{cfg.rl.trainer.tp}: training runs tp-way tensor parallelism × "
             "num_gpus/tp-way data parallelism; make num_gpus a multiple of tp"
+        )
+
+
+def check_trainer_process(cfg: Config) -> None:
+    """`rl.trainer.process: child` (engines/child_engine.py `ChildTrainer`): the child
+    makes a torch.distributed world of its own, so the training world must be one rank."""
+    tr = cfg.rl.trainer
+    if tr.process != "child":
+        return
+    from pivot_hpc.runtime.elastic import elastic_live
+
+    n_train = len(cfg.training_gpus())
+    why = (
+        f"training.num_gpus={n_train}"
+        if n_train != 1
+        else f"rl.trainer.tp={tr.tp}"
+        if tr.tp != 1
+        else "planner.elastic_training=true"
+        if elastic_live(cfg)
+        else "rl.trainer.distributed_optimizer=true"
+        if tr.distributed_optimizer
+        else None
+    )
+    if why is not None:
+        raise LayoutError(
+            f"rl.trainer.process=child with {why}: a training engine in a child process "
+            "runs a one-rank training world only (training.num_gpus=1, rl.trainer.tp=1, no "
+            "elastic training, no distributed optimizer); use rl.trainer.process=in_rank"
         )
 
 

@@ -232,3 +232,49 @@ def test_vllm_engines_killed_mid_step_are_recovered_and_every_sample_trains_once
     assert summary["sequences_recovered"] >= 1
     restarts = ", ".join(f"{rid} back after {dt:.0f}s" for rid, dt in back.items())
     print(f"vllm engine faults: {VLLM_STEPS} steps, 2 engines killed, {restarts}, {elapsed:.0f}s")
+
+
+# The training engine in a child process of its rank (`rl.trainer.process: child`): the
+# worker's test hook (runtime/worker.py TEST_KILL_TRAINER_ENV) SIGKILLs it right after the
+# rank reports step KILLED_AFTER trained, a death between steps. The worker starts a new
+# one on the same GPU and refits it from GPS (the policy and the optimizer state published
+# with it); the run goes on with every version and every sample trained once.
+TRAIN_STEPS, KILLED_AFTER = 4, 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_trainer_child_killed_between_steps_restarts_and_every_sample_trains_once(
+    tmp_path: Path,
+) -> None:
+    from pivot_hpc.runtime.worker import TEST_KILL_TRAINER_ENV
+
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    config = [c for c in CONFIG if not c.startswith("loop.steps=")]
+    proc = start_job(
+        run_command(run_dir, *config, f"loop.steps={TRAIN_STEPS}", "rl.trainer.process=child"),
+        log,
+        **{TEST_KILL_TRAINER_ENV: str(KILLED_AFTER)},
+    )
+    try:
+        assert proc.wait(timeout=540) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+    text = log.read_text()
+    assert f"pivot-hpc: done: {TRAIN_STEPS} steps" in text, text[-3000:]
+    assert "training engine of rank" in text and "was killed by signal 9" in text, text[-3000:]
+    r = open_run(run_dir)
+    ids = r["trained"]["sample_id"]
+    assert len(ids) == TRAIN_STEPS * PROMPTS * SAMPLES and len(np.unique(ids)) == len(ids)
+    assert sorted(np.unique(r["trained"]["step"]).tolist()) == list(range(TRAIN_STEPS))
+    assert r["steps"]["version"].tolist() == list(range(1, TRAIN_STEPS + 1))
+    summary = report_json(run_dir)
+    assert summary["engine_failures"] == 1, summary
+    assert summary["engine_restarts"] == 1 and summary["engines_excluded"] == [], summary
+    failures = r["failures"]
+    assert failures["role"].tolist() == ["training"], failures
+    assert failures["action"].tolist() == ["restart"], failures
+    # died after step KILLED_AFTER's end, restarted before the next step ended
+    ends = dict(zip(r["steps"]["step"].tolist(), r["steps"]["end"].tolist(), strict=True))
+    assert ends[KILLED_AFTER] <= float(failures["t"][0]) < ends[KILLED_AFTER + 1], (ends, failures)

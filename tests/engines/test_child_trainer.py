@@ -1,0 +1,170 @@
+"""The training engine in a child process of its rank (`rl.trainer.process: child`,
+engines/child_engine.py `ChildTrainer`): a child SIGKILLed between steps is one clear
+error at the next call, and a fresh child given the dead one's weights and optimizer state
+(what the worker reads back from GPS) trains the next step bit for bit like one that never
+died. No MPI: each child makes a torch.distributed world of its own (fp32, CPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from pivot_hpc.engines.base import TrainBatch, TrainEngine
+from pivot_hpc.engines.child_engine import ChildTrainer, EngineProcessError
+from pivot_hpc.models.qwen2 import create_model
+from pivot_hpc.rl.config import TrainerConfig
+from tests.tiny_arch import tiny_arch
+
+ARCH = tiny_arch()
+TRAINER = TrainerConfig(lr=1e-3, grad_clip=1.0, micro_batch_size=3, dtype="fp32")
+
+
+def batch(seed: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 99, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+    responses = [torch.randint(3, 99, (n,), generator=g).tolist() for n in (6, 2, 8, 4)]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, advantages=[1.0, -0.5, 0.3, -0.8])
+
+
+def trainer() -> ChildTrainer:
+    return ChildTrainer(ARCH, TRAINER)
+
+
+@pytest.mark.timeout(240)
+def test_a_restarted_trainer_refit_from_weights_and_optimizer_state_trains_alike(
+    tmp_path,
+) -> None:
+    canonical = {k: v.clone() for k, v in create_model(ARCH, seed=5).state_dict().items()}
+    a, b = trainer(), trainer()
+    fresh = None
+    try:
+        assert isinstance(a, TrainEngine)  # every member of the contract
+        assert a.device == torch.device("cpu") and (a.dp, a.dp_rank) == (1, 0)
+        first = batch(1)
+        for t in (a, b):
+            t.load_weights(canonical)
+        first.old_logprobs = a.compute_logprobs(first, temperature=1.0)
+        for t in (a, b):
+            t.train_step(first)
+            assert (t.version, t.steps, t.optimizer_step) == (1, 1, 1)
+        # what the worker publishes to GPS after each step, taken from the one to kill
+        weights = b.export_weights()
+        state = b.optimizer_state()
+        assert set(state) == set(b.optimizer_kinds()) == {"exp_avg", "exp_avg_sq"}
+        os.kill(b.pid, signal.SIGKILL)
+        with pytest.raises(EngineProcessError, match=f"engine process {b.pid} was killed by"):
+            b.train_step(batch(2))
+        assert b.dead
+        b.close()  # (a dead child: nothing to ask, the pipe closed and its TMPDIR gone)
+        assert not os.path.exists(b.tmp_dir)
+
+        fresh = trainer()
+        fresh.load_weights(weights)
+        fresh.load_optimizer_state(state, step=1, version=1)
+        assert (fresh.version, fresh.steps, fresh.optimizer_step) == (1, 1, 1)
+        # the restarted trainer offloads and reloads its state like the first one
+        fresh.offload_optimizer()
+        assert fresh.optimizer_offloaded
+        fresh.reload_optimizer()
+        second = batch(2)
+        second.old_logprobs = a.compute_logprobs(second, temperature=1.0)
+        ma, mf = a.train_step(second), fresh.train_step(second)
+        assert ma == mf
+        wa, wf = a.export_weights(), fresh.export_weights()
+        assert wa.keys() == wf.keys() and all(torch.equal(wa[k], wf[k]) for k in wa)
+        sa, sf = a.optimizer_state(), fresh.optimizer_state()
+        assert all(torch.equal(sa[k][n], sf[k][n]) for k in sa for n in sa[k])
+        # trained at all: the step moved the weights
+        assert not all(torch.equal(wa[k], weights[k]) for k in wa)
+        # a checkpoint written and read by trainer children (megatron dist_checkpointing)
+        a.save(tmp_path / "train")
+        fresh.close()
+        fresh = trainer()
+        fresh.load(tmp_path / "train")
+        assert (fresh.version, fresh.steps, fresh.optimizer_step) == (2, 2, 2)
+        wf = fresh.export_weights()
+        assert all(torch.equal(wa[k], wf[k]) for k in wa)
+    finally:
+        for t in (a, b, fresh):
+            if t is not None:
+                t.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_trainer_child_dies_with_its_rank(tmp_path) -> None:
+    """PR_SET_PDEATHSIG: a rank that dies (SIGKILL: no close, no pipe EOF handling) takes
+    its trainer child with it, even while the child would be busy."""
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import sys, time\n"
+        "from pivot_hpc.engines.child_engine import ChildTrainer\n"
+        "from pivot_hpc.rl.config import TrainerConfig\n"
+        "from tests.tiny_arch import tiny_arch\n"
+        "t = ChildTrainer(tiny_arch(), TrainerConfig(dtype='fp32'))\n"
+        f"open({str(pid_file)!r}, 'w').write(str(t.pid))\n"
+        "time.sleep(600)\n"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
+    try:
+        end = time.monotonic() + 90
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < end:
+            assert rank.poll() is None, "the rank died before its trainer started"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        os.kill(child, 0)  # alive
+        rank.kill()
+        rank.wait()
+        end = time.monotonic() + 10
+        while time.monotonic() < end and _alive(child):
+            time.sleep(0.05)
+        assert not _alive(child), "the trainer child outlived its rank"
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "training.num_gpus=2",
+        "rl.trainer.tp=2",
+        "planner.elastic_training=true",
+        "rl.trainer.distributed_optimizer=true",
+    ],
+)
+def test_child_is_refused_before_launch_beyond_a_one_rank_training_world(override) -> None:
+    from pivot_hpc.config import load_config
+    from pivot_hpc.runtime.world import LayoutError, check_live_config
+
+    base = ["rl.trainer.process=child"]
+    check_live_config(load_config("configs/tiny.yaml", base))
+    cfg = load_config("configs/tiny.yaml", [*base, override])
+    with pytest.raises(LayoutError, match=f"rl.trainer.process=child with {override}: .*in_rank"):
+        check_live_config(cfg)
+
+
+def test_child_registers_the_optimizer_state_in_gps() -> None:
+    """What a restarted child reads back: the elastic path's optimizer-state models."""
+    from pivot_hpc.config import load_config
+    from pivot_hpc.gps import ModelSpec
+    from pivot_hpc.runtime.elastic import OPTIMIZER_MODELS, run_optimizer_models
+
+    policy = ModelSpec.from_hf_config(create_model(ARCH, seed=0).config.to_dict(), name="policy")
+    for process, want in (("in_rank", set()), ("child", set(OPTIMIZER_MODELS.values()))):
+        cfg = load_config("configs/tiny.yaml", [f"rl.trainer.process={process}"])
+        assert set(run_optimizer_models(cfg, policy)) == want
