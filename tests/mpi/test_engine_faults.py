@@ -139,9 +139,12 @@ def test_engines_killed_mid_step_are_recovered_and_every_sample_trains_once(
 
 # Rollout on vLLM, the GenRM on `hf` in the worker ranks: every engine process is a vLLM
 # one, and the job starts 4 of them instead of 8 (a vLLM start is a fresh interpreter that
-# imports vLLM: 20-120 s on 2 loaded cores). Steps 1-3 are generated together, then 4-6 and
-# 7-9: the engines are killed in the second round, the third leaves time for a restart.
-VLLM_STEPS = 9
+# imports vLLM: 20-120 s on 2 loaded cores). Steps are generated three at a time: the
+# engines are killed in the second round (steps 4-6), and five more rounds leave time for a
+# restart. The job does not wait for a restarting engine (plans and steps go on around it:
+# ShiftExecutor.settled), so with only one round after the deaths it sometimes ended before
+# the restarted engine was up (14 s for that round, 17 s for a restart on idle cores).
+VLLM_STEPS = 21
 VLLM_CONFIG = [
     f"loop.steps={VLLM_STEPS}",
     f"loop.batch_prompts={PROMPTS}",
