@@ -10,12 +10,24 @@ with their tokens, the replica restarts with `sim.failures.restart_s` more than 
 or is excluded when it dies again within `deployment.engine_restart_window_s`). pivot+
 (elastic training) re-plans around a missing replica; the static modes wait for it.
 
+Only inference engines die unless `--training-deaths` is given (`sim.failures.training`):
+then a death on a GPU that training holds restarts the trainer between steps (the next
+step waits `restart_s` plus a training shift-up) and stops the job inside a step or within
+the restart window of training's last death (the cluster pauses
+`sim.failures.job_restart_s`, the step starts over). A run whose step meets a death in
+every try (MAX_STALLED_RESTARTS job stops in a row, sim/failures.py) ends early and is
+reported `stalled` — at the default stress MTBF every mode does so on group 4, whose step
+takes ~700,000 GPU-seconds.
+
 JSON keys (a contract): `runs` → label → {`tokens_per_s` (with failures),
 `tokens_per_s_no_failures`, `lost_share` (1 − their ratio), `engine_failures`,
 `engine_restarts`, `engines_excluded`, `sequences_recovered`, `tokens_regenerated`,
-`deaths_elsewhere` (deaths on GPUs that trained, idled or shifted: not modelled),
-`sim_time_s`, `wall_s`}; and the parameters: `gpus`, `steps`, `mtbf_gpu_hours`,
-`restart_s`, `restart_window_s`, `seed`, `config`. Throughput is rollout + reward tokens of
+`deaths_elsewhere` (deaths on GPUs that idled or shifted, and without --training-deaths
+on GPUs that trained: not dealt), `training_deaths` (deaths on GPUs training held),
+`job_restarts` (of them, the job stops), `stalled` (true: the run ended on JobStalled; its
+`tokens_per_s` is then 0), `sim_time_s`, `wall_s`}; and the parameters: `gpus`, `steps`,
+`mtbf_gpu_hours`, `restart_s`, `job_restart_s`, `training_deaths_modelled`,
+`restart_window_s`, `seed`, `config`. Throughput is rollout + reward tokens of
 the trained steps over their span (`simulate`'s `tokens_per_s`); a few steps are noisy, a
 loss within a few percent of zero is within it.
 """
@@ -59,6 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--restart-s", type=float, default=None, help="sim.failures.restart_s (default: config)"
     )
+    p.add_argument(
+        "--training-deaths",
+        action="store_true",
+        help="deaths on training's GPUs too (sim.failures.training): a trainer restart "
+        "between steps, a job restart inside one; off, only inference engines die (at the "
+        "default stress MTBF a large step then meets a death in every try and stalls)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--seed", type=int, default=0, help="workload and failure seed")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="sim config to scale")
@@ -76,6 +95,7 @@ def _config(args: argparse.Namespace, label: str, mtbf: float):
         f"sim.seed={args.seed}",
         f"sim.failures.mtbf_gpu_hours={mtbf}",
         *([f"sim.failures.restart_s={args.restart_s}"] if args.restart_s is not None else []),
+        f"sim.failures.training={str(args.training_deaths).lower()}",
         *args.overrides,
     ]
     cfg = scale_to(load_config(str(args.config), overrides, files=False), args.gpus)
@@ -87,21 +107,29 @@ def simulate_failures(cfg) -> dict[str, Any]:
     """Run `cfg` to the end; its throughput and what its engine deaths cost."""
     from pivot_hpc.coordinator import build as builder
     from pivot_hpc.sim.backend import SimBackend
+    from pivot_hpc.sim.failures import JobStalled
 
     t0 = time.perf_counter()
     job = builder.build(cfg, SimBackend())
+    stalled = False
     with contextlib.redirect_stdout(io.StringIO()):  # a line per death: counted below
-        job.run()
+        try:
+            job.run()
+        except JobStalled:  # no step escapes the deaths: the run never ends
+            stalled = True
     coord, cluster, stats = job.coordinator, job.cluster, job.coordinator.stats
     span = coord.last_step_end - coord.first_step_start
     return {
-        "tokens_per_s": coord.tokens_total / span if span > 0 else 0.0,
+        "tokens_per_s": coord.tokens_total / span if span > 0 and not stalled else 0.0,
         "engine_failures": stats.engine_failures,
         "engine_restarts": stats.engine_restarts,
         "engines_excluded": len(stats.excluded),
         "sequences_recovered": stats.sequences_recovered,
         "tokens_regenerated": stats.tokens_regenerated,
         "deaths_elsewhere": cluster.deaths_elsewhere,
+        "training_deaths": cluster.training_deaths,
+        "job_restarts": cluster.job_restarts,
+        "stalled": stalled,
         "sim_time_s": round(cluster.now(), 3),
         "wall_s": round(time.perf_counter() - t0, 3),
     }
@@ -137,6 +165,8 @@ def run(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "mtbf_gpu_hours": args.mtbf,
         "restart_s": cfg.sim.failures.restart_s,
+        "job_restart_s": cfg.sim.failures.job_restart_s,
+        "training_deaths_modelled": cfg.sim.failures.training,
         "restart_window_s": cfg.deployment.engine_restart_window_s,
         "seed": args.seed,
         "config": str(args.config),
@@ -147,7 +177,19 @@ def run(args: argparse.Namespace) -> dict:
             f"{out['gpus']} GPUs, {args.steps} steps, MTBF {args.mtbf:g} GPU-hours, restart "
             f"+{out['restart_s']:g} s"
         )
-        rows = [["mode", "tok/s", "no failures", "lost", "deaths", "excluded", "regenerated"]]
+        rows = [
+            [
+                "mode",
+                "tok/s",
+                "no failures",
+                "lost",
+                "deaths",
+                "excluded",
+                "regenerated",
+                "training deaths",
+                "job restarts",
+            ]
+        ]
         for label, r in runs.items():
             rows.append(
                 [
@@ -158,6 +200,8 @@ def run(args: argparse.Namespace) -> dict:
                     str(r["engine_failures"]),
                     str(r["engines_excluded"]),
                     str(r["tokens_regenerated"]),
+                    str(r["training_deaths"]),
+                    str(r["job_restarts"]) + (" (stalled)" if r["stalled"] else ""),
                 ]
             )
         print(table(rows))

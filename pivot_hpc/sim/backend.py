@@ -114,6 +114,8 @@ class SimBackend:
             failures=cfg.sim.failures,
             gpus=cfg.cluster.total_gpus,
             tool_latency=source.tool_latency,
+            training_gpus=topology.training_gpus,
+            restart_window_s=cfg.deployment.engine_restart_window_s,
         )
 
     def restore(self, cluster, rl) -> dict[str, Any]:

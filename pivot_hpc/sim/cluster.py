@@ -30,6 +30,16 @@ tokens as of its last refresh (REFRESH_S: what was decoded since is lost and gen
 again), answers the coordinator's aborts with them, and takes sequences dispatched to it
 before the death is heard with the tokens they came with. The coordinator's `on_failure`
 then recovers it as it does live; a restart's shift-up takes `restart_s` more.
+A death on a GPU that training holds (its set, or an elastic extension, from its shift-up
+until its shift-down is asked) is a training rank's (issue 38, docs/engines.md): between
+steps the rank's worker restarts its trainer and refits it from GPS, so the coordinator
+hears a `ReplicaFailed` of role training and the next step starts `restart_s` plus that
+group's shift-up later; inside a step — or when training's last reported death is within
+`deployment.engine_restart_window_s`, where the live coordinator stops the job
+(`TrainingEngineLost`) — the job stops and resumes from its last step's checkpoint: the
+whole cluster, coordinator included, pauses for `job_restart_s` (every pending event and
+engine clock moves on by it; no death falls in it) and the step starts over, its work so
+far lost. Deaths on GPUs that idle or shift are counted (`deaths_elsewhere`), not dealt.
 
 Tool calls (tools.enabled, coordinator/turns.py) take a latency the workload draws
 (`tool_latency`, `sim.workload.tool_latency_s`) and use no GPU: a parked trajectory holds
@@ -69,7 +79,7 @@ from pivot_hpc.planner.snapshot import TRAINING, role_of
 from pivot_hpc.scheduler import SeqLengths
 from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
 from pivot_hpc.sim.config import FailureConfig
-from pivot_hpc.sim.failures import REFRESH_S, DeathClock
+from pivot_hpc.sim.failures import MAX_STALLED_RESTARTS, REFRESH_S, DeathClock, JobStalled
 
 # event kinds, in tie-breaking order (a death last: what finished at its instant is kept)
 FINISH, SHIFT, WEIGHTS, TRAIN, DEATH, TOOL = 0, 1, 2, 3, 4, 5
@@ -181,6 +191,19 @@ class _Replica:
         return s.length0 + (self.iters - s.base)
 
 
+@dataclass(slots=True)
+class _Step:
+    """The training step in flight: it computes from `start` (after any restarting
+    trainer engine is ready) for `seconds`; `stamp` voids the TRAIN events of its earlier
+    tries."""
+
+    step: int
+    start: float
+    seconds: float
+    groups: tuple[str, ...]  # "training" and the elastic extensions it trains on
+    stamp: int
+
+
 def _iterations(elapsed: float, a_n: float, c: float) -> float:
     """m with c·m + a_n·m²/2 = elapsed."""
     if elapsed <= 0:
@@ -201,13 +224,18 @@ class SimCluster:
         failures: FailureConfig | None = None,
         gpus: int = 0,
         tool_latency: Callable[[ToolCall], float] | None = None,
+        training_gpus: Sequence[int] = (),
+        restart_window_s: float = 600.0,
     ) -> None:
         """`late_finish_share`: the fraction of aborted running sequences that finish just
         before their abort arrives (a live engine's race; 0 = never). Tests set it so the
         coordinator's late-abort path runs deterministically (seeded by `seed`).
         `failures`: engine deaths on the cluster's `gpus` GPUs (None or an MTBF of 0:
         none; seeded by `seed`). `tool_latency`: seconds a tool call takes (the
-        workload's draw; None: calls are refused)."""
+        workload's draw; None: calls are refused). `training_gpus`: training's own GPU
+        set (where its deaths fall; an extension's are its slot's); `restart_window_s`:
+        deployment.engine_restart_window_s (a second training death within it stops the
+        job)."""
         self.inference = inference
         self.tool_latency = tool_latency
         self.tool_calls = 0  # calls made (all answered unless the run ended first)
@@ -243,7 +271,26 @@ class SimCluster:
         self._restart: set[str] = set()
         self.restart_s = failures.restart_s if failures is not None else 0.0
         self.deaths = 0  # engines killed while serving
-        self.deaths_elsewhere = 0  # deaths on GPUs that trained, idled or shifted
+        self.deaths_elsewhere = 0  # deaths on GPUs that idled or shifted
+        # Training deaths: training's GPU set; the training groups up ("training" and
+        # extensions, from their shift-up's end until their shift-down is asked); when each
+        # restarted trainer engine is ready; the step in flight; the last training death
+        # reported to the coordinator (its restart window counts from it)
+        self._training_gpus = frozenset(training_gpus)
+        self._trains: set[str] = set()
+        self._train_ready: dict[str, float] = {}
+        self._step: _Step | None = None
+        self._train_stamp = 0
+        self._training_reported: float | None = None
+        self.restart_window_s = restart_window_s
+        self.job_restart_s = failures.job_restart_s if failures is not None else 0.0
+        # sim.failures.training: false leaves training's GPUs to deaths_elsewhere
+        self._training_deaths_on = failures is None or failures.training
+        self.training_deaths = 0  # deaths on GPUs training held
+        self.training_restarts = 0  # of them, trainer engines restarted between steps
+        self.job_restarts = 0  # job stops: a training death inside a step or in the window
+        self.lost_train_s = 0.0  # step seconds computed, then lost to job stops
+        self._stalled = 0  # job stops since the last step trained
         self._deaths = None
         if failures is not None and failures.enabled:
             self._deaths = DeathClock(failures, gpus, seed)
@@ -262,7 +309,9 @@ class SimCluster:
 
     def kill(self, rid: str, at: float, since_refresh: float = REFRESH_S) -> None:
         """Kill `rid`'s engine at time `at`, `since_refresh` seconds after its last token
-        refresh, if it is serving then (tests: a death where and when they choose)."""
+        refresh, if it is serving then (tests: a death where and when they choose). `rid`
+        "training" or an extension: a training death if training holds it then (a job
+        stop moves later kills on with everything else)."""
         self._push(at, DEATH, rid, -1, since_refresh)
 
     def _gpus(self, rid: str) -> range:
@@ -270,6 +319,97 @@ class SimCluster:
         tp = self.inference[role_of(rid)].tp
         slot = int(rid.split(":", 1)[1])
         return range(slot * tp, (slot + 1) * tp)
+
+    def _training_group(self, gpu: int) -> str | None:
+        """The training group holding `gpu` now ("training" or an extension), if any (none
+        while `sim.failures.training` is off)."""
+        if not self._training_deaths_on:
+            return None
+        if gpu in self._training_gpus:
+            return TRAINING if TRAINING in self._trains else None
+        if self.training is None:
+            return None
+        rid = f"{TRAINING}:{gpu // self.training.tp}"
+        return rid if rid in self._trains else None
+
+    def _training_death(self, group: str, where: str) -> list:
+        """A trainer engine of `group` dies now. Inside the step it computes: the job stops.
+        Between steps: its worker restarts it and refits it from GPS (the policy and the
+        optimizer state), a `restart_s` start-up plus the group's shift-up, and no step
+        starts on it before; the coordinator hears of it as live — unless training's last
+        reported death is within the restart window, where the live coordinator stops the
+        job (`TrainingEngineLost`): the job stops here instead (the coordinator, never
+        told, does not raise)."""
+        self.training_deaths += 1
+        step = self._step
+        if step is not None and group in step.groups and self.t >= step.start:
+            self._job_restart()
+            return []
+        last = self._training_reported
+        if last is not None and self.t - last < self.restart_window_s:
+            self._job_restart()
+            return []
+        self._training_reported = self.t
+        self.training_restarts += 1
+        up = self.training.shift_up_s if group == TRAINING else self.training.extension_up_s
+        ready = self.t + self.restart_s + sum(up.values())
+        self._train_ready[group] = max(ready, self._train_ready.get(group, 0.0))
+        if step is not None and group in step.groups:  # waits for this engine too now
+            self._start_step(step, max(step.start, ready))
+        return [
+            ReplicaFailed(
+                self.t,
+                TRAINING,
+                TRAINING,
+                where,
+                "injected engine death (sim.failures) between training steps: the worker "
+                "restarts its trainer and refits it from GPS",
+            )
+        ]
+
+    def _job_restart(self) -> None:
+        """The job stops and resumes from its last checkpoint (the last step boundary):
+        the whole cluster pauses for `job_restart_s` — every engine's clock, every pending
+        event (shifts, weight loads, tool calls, the next death) and the node links move
+        on by it — and the step in flight starts over, its work so far lost. Simplified:
+        the resumed job keeps its allocation, engines and sequences (tokens included) as
+        they were; a live one starts in a new allocation from the checkpoint."""
+        self.job_restarts += 1
+        self._stalled += 1
+        if self._stalled > MAX_STALLED_RESTARTS:
+            raise JobStalled(
+                f"{self._stalled - 1} job stops in a row without a training step completing "
+                f"(t={self.t:.0f} s): at this sim.failures.mtbf_gpu_hours a training step "
+                "is almost never free of deaths"
+            )
+        t, pause = self.t, self.job_restart_s
+        for r in self._replicas.values():
+            self._advance(r)
+        step = self._step
+        if step is not None and t > step.start:
+            self.lost_train_s += t - step.start
+        # FINISH events are scheduled again below, the step's TRAIN event with it (in
+        # place: `poll` holds the list)
+        heap = self._heap
+        heap[:] = [(at + pause, *rest) for at, *rest in heap if rest[0] not in (FINISH, TRAIN)]
+        heapq.heapify(heap)
+        self.t = t + pause
+        for r in self._replicas.values():
+            r.t_last = self.t
+            if r.busy_until > t:
+                r.busy_until += pause
+            self._schedule(r)
+        self._node_free = {n: f + pause if f > t else f for n, f in self._node_free.items()}
+        self._train_ready.clear()  # the new job's engines started within the pause
+        if step is not None:
+            self._start_step(step, self.t)
+
+    def _start_step(self, step: _Step, start: float) -> None:
+        """(Re)schedule `step` to compute from `start`; its earlier TRAIN event is void."""
+        self._train_stamp += 1
+        step.start, step.stamp = start, self._train_stamp
+        self._step = step
+        self._push(start + step.seconds, TRAIN, TRAINING, step.step, step.stamp)
 
     def _die(self, r: _Replica, since_refresh: float) -> ReplicaFailed:
         """`r`'s engine dies now: it decodes nothing more; each sequence keeps its tokens as
@@ -372,8 +512,10 @@ class SimCluster:
 
     def shift_down(self, rid: str) -> None:
         if rid == TRAINING:
+            self._trains.discard(rid)
             phases = dict(self.training.shift_down_s)
         elif role_of(rid) == TRAINING:
+            self._trains.discard(rid)
             phases = dict(self.training.extension_down_s)
         else:
             r = self._replicas.pop(rid)
@@ -572,7 +714,11 @@ class SimCluster:
     def train(self, step: int, samples: Sequence[Sample], extensions: Sequence[str] = ()) -> None:
         gpus = self.training.gpus + self.training.tp * len(extensions)
         lengths = [s.prompt_len + s.response_len for s in samples]
-        self._push(self.t + self.training.step_time(lengths, gpus), TRAIN, TRAINING, step, None)
+        groups = (TRAINING, *extensions)
+        # a restarted trainer engine (sim.failures) computes nothing before it is ready
+        start = max(self.t, *(self._train_ready.get(g, 0.0) for g in groups))
+        seconds = self.training.step_time(lengths, gpus)
+        self._start_step(_Step(step, start, seconds, groups, 0), start)
 
     def prefill_time(self, role: str, tokens: int) -> float:
         return self.inference[role].prefill_s_per_token * tokens
@@ -645,6 +791,8 @@ class SimCluster:
             elif role_of(key) != TRAINING:  # serving from now: its GPUs' deaths kill it
                 for g in self._gpus(key):
                     self._serving[g] = key
+            else:  # training holds its GPUs from now
+                self._trains.add(key)
             return [ShiftDone(self.t, key, direction, phases)]
         if kind == WEIGHTS:
             return [WeightsUpdated(self.t, key, int(payload))]
@@ -654,13 +802,23 @@ class SimCluster:
             if stamp >= 0:  # the clock's: on GPU `stamp`, whatever it serves then
                 self._push_death(self.t)
                 rid = self._serving.get(stamp)
+                group = self._training_group(stamp) if rid is None else None
+                where = f"training engine on GPU {stamp}"
             else:  # kill(): that replica, if it serves then
                 rid = key if key in self._serving.values() else None
+                group = key if rid is None and key in self._trains else None
+                where = f"training engine of {key}"
+            if group is not None:
+                return self._training_death(group, where)
             r = self._replicas.get(rid) if rid is not None else None
             if r is None or r.dead is not None:
                 self.deaths_elsewhere += 1
                 return []
             return [self._die(r, float(payload))]
+        if self._step is None or payload != self._step.stamp:
+            return []  # a try a job stop voided
+        self._step = None
+        self._stalled = 0
         return [TrainingDone(self.t, stamp, {"loss": float("nan")})]
 
     def made_tokens(self) -> tuple[float, float]:

@@ -167,7 +167,10 @@ class FailureConfig:
     reported as a live engine's death is (`ReplicaFailed`) and the coordinator recovers it
     the same way — an unplanned shift-down, then a restart or, dying again within
     `deployment.engine_restart_window_s`, exclusion (docs/engines.md). A death on a GPU that
-    trains, idles or shifts is not modelled (counted as `deaths_elsewhere`)."""
+    training holds (its set or an elastic extension) restarts the training engine between
+    steps (`restart_s` plus a training shift-up), and stops the job inside a step or when
+    training died within the restart window before (`job_restart_s`: the step is redone).
+    A death on a GPU that idles or shifts is not modelled (counted as `deaths_elsewhere`)."""
 
     # mean time between failures of one GPU, hours of simulated time (0: no failures).
     # Meta's Llama 3 run saw one interruption per ~50,000 GPU-hours; engine software
@@ -179,9 +182,20 @@ class FailureConfig:
     # only resumes a sleeping one. An estimate: vLLM and SGLang cold-start a large model
     # in about a minute once its weights are at hand
     restart_s: float = 60.0
+    # seconds a job stop costs (a training death inside a step, or a second one within
+    # deployment.engine_restart_window_s): the whole cluster pauses this long, then the
+    # step starts over (its work so far is lost). An estimate: Slurm requeues the job and
+    # allocates nodes (about a minute when nodes are free), then the job starts again —
+    # MPI and NCCL set up, every engine cold-started, the checkpoint's policy and optimizer
+    # state read back (minutes for a 70B-class policy)
+    job_restart_s: float = 300.0
+    # deaths on GPUs that training holds are dealt as above (false: they are counted with
+    # `deaths_elsewhere` and only inference engines die, as before issue 38's training
+    # deaths; `pivot-hpc bench failures` runs so unless given --training-deaths)
+    training: bool = True
 
     def validate(self, path: str) -> None:
-        for key in ("mtbf_gpu_hours", "restart_s"):
+        for key in ("mtbf_gpu_hours", "restart_s", "job_restart_s"):
             v = getattr(self, key)
             if not math.isfinite(v) or v < 0:
                 fail(f"{path}.{key}", v, "must be a finite number >= 0")

@@ -75,13 +75,16 @@ def test_every_mode_trains_every_sample_once_through_engine_deaths(mode: str, ca
     for role in ("rollout", "reward"):
         assert coord.schedulers[role].n_seq == 0
         coord.schedulers[role].check_invariants()
-    # every death the cluster dealt was recovered, one telemetry row each
+    # every death the cluster dealt was recovered, one telemetry row each (a training
+    # engine's between steps too: tests/sim/test_training_deaths.py; a job stop has none)
     assert stats.engine_failures > 0
-    assert stats.engine_failures == len(rec.failures) == cluster.deaths
+    assert stats.engine_failures == len(rec.failures) == cluster.deaths + cluster.training_restarts
     assert stats.engine_restarts + len(stats.excluded) >= stats.engine_failures - 1
-    assert stats.sequences_recovered == sum(f["sequences"] for f in rec.failures)
-    assert stats.tokens_regenerated == sum(f["tokens_lost"] for f in rec.failures) > 0
-    for f in rec.failures:  # ≤ one token per sequence per decode step since the refresh
+    assert cluster.training_deaths == cluster.training_restarts + cluster.job_restarts
+    inference = [f for f in rec.failures if f["role"] != "training"]
+    assert stats.sequences_recovered == sum(f["sequences"] for f in inference)
+    assert stats.tokens_regenerated == sum(f["tokens_lost"] for f in inference) > 0
+    for f in inference:  # ≤ one token per sequence per decode step since the refresh
         costs = cluster.inference[f["role"]]
         assert f["tokens_lost"] <= f["sequences"] * REFRESH_S / costs.fixed(1) + 1
         assert f["action"] in ("restart", "excluded")
@@ -176,7 +179,7 @@ def test_deaths_are_deterministic_for_a_seed_whatever_the_gpus_do() -> None:
     assert DeathClock(failures, 16, 1).next(0.0) != DeathClock(failures, 16, 0).next(0.0)
 
 
-@pytest.mark.parametrize("key", ["mtbf_gpu_hours", "restart_s"])
+@pytest.mark.parametrize("key", ["mtbf_gpu_hours", "restart_s", "job_restart_s"])
 @pytest.mark.parametrize("value", ["-1", "inf", "nan"])
 def test_bad_failure_settings_are_refused(key: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"sim.failures.{key}"):
@@ -204,5 +207,6 @@ def test_bench_failures_json(tmp_path: Path, capsys) -> None:
     assert set(out["runs"]) == {"pivot+", "disaggregated"}
     for r in out["runs"].values():
         assert r["engine_failures"] > 0 and r["tokens_regenerated"] > 0
+        assert r["job_restarts"] <= r["training_deaths"] and r["stalled"] is False
         assert r["tokens_per_s_no_failures"] > 0
         assert math.isclose(r["lost_share"], 1 - r["tokens_per_s"] / r["tokens_per_s_no_failures"])
