@@ -126,6 +126,10 @@ def simulate(cfg: Config, out: str | Path | None, *, progress: bool = True) -> d
         "engines_excluded": sorted(logs.excluded),
         "sequences_recovered": logs.sequences_recovered,
         "tokens_regenerated": logs.tokens_regenerated,
+        # deaths on training's GPUs (sim.failures.training) and the job stops they caused
+        # (a live job's stop is a new allocation: no report of one run counts them)
+        "training_deaths": cluster.training_deaths,
+        "job_restarts": cluster.job_restarts,
         # tool-calling rollouts (tools.enabled): the same keys as `pivot-hpc report`
         **tool_summary(coord),
         "staleness_max": max(logs.staleness, default=0),

@@ -242,3 +242,15 @@ def test_training_deaths_off_leaves_training_gpus_to_deaths_elsewhere(capsys) ->
     assert counts[True][0] > 0
     assert counts[False][:2] == (0, 0) and counts[False][2] > 0
     capsys.readouterr()
+
+
+def test_simulate_reports_training_deaths_and_job_stops(capsys) -> None:
+    from pivot_hpc.config import load_config
+    from pivot_hpc.sim.run import simulate
+    from tests.sim.test_simulator import TINY
+
+    overrides = ["deployment.mode=disaggregated", *OFTEN, "sim.failures.mtbf_gpu_hours=0.03"]
+    summary = simulate(load_config(None, [*TINY, *overrides]), None, progress=False)
+    assert summary["training_deaths"] > 0
+    assert 0 <= summary["job_restarts"] <= summary["training_deaths"]
+    capsys.readouterr()
