@@ -109,6 +109,7 @@ class Coordinator:
         tool_timeout_s: float | None = None,
         horizon_s: float = 0.0,
         affinity_slack: float = 0.0,
+        affinity_wait_s: float = 0.0,
     ) -> None:
         self.cluster = cluster
         self.topology = topology
@@ -120,8 +121,16 @@ class Coordinator:
         self.tick_s = tick_s
         self.hooks = hooks or Hooks()  # checkpoints, step log, stop requests (hooks.py)
         self.schedulers = {
-            # affinity_slack: a tool-calling turn's soft affinity to its last replica
-            r: Scheduler(r, priority=priority, migration=migration, affinity_slack=affinity_slack)
+            # affinity_slack: a tool-calling turn's soft affinity to its last replica;
+            # affinity_wait_s: how long it may wait for that replica's room (cluster time)
+            r: Scheduler(
+                r,
+                priority=priority,
+                migration=migration,
+                affinity_slack=affinity_slack,
+                affinity_wait_s=affinity_wait_s,
+                clock=cluster.now,
+            )
             for r in INFERENCE_ROLES
         }
         self.admission = admission  # scheduler.admission=pipeline: the role's running cap
@@ -141,6 +150,10 @@ class Coordinator:
         # runs, then `run` returns with `stopped` set, leaving a state a checkpoint can hold.
         self.draining = False
         self.stopped = False
+        # A stop the run asks of itself (a training engine that died twice within
+        # deployment.engine_restart_window_s: shifts.py): drained and saved like a signal's,
+        # with this line as its reason.
+        self.stop_reason: str | None = None
         # The monitor's refits (monitor.py): τ_shift from measured shifts (the shift
         # executor's clock), A–D from the engines' decode steps; the planner sees them
         # through `self.topology`.
@@ -185,12 +198,16 @@ class Coordinator:
         next_tick = self.cluster.now()
         last_event = next_tick
         while not self.rl.done:
-            if not self.draining and self.hooks.stop_requested():
+            if not self.draining and (self.stop_reason or self.hooks.stop_requested()):
                 self.draining = True
             if self.draining and not self.training.busy:
                 self.stopped = True
                 break
-            events = self.cluster.poll(until=next_tick)
+            # a turn waiting for its cached replica (scheduler.affinity_wait_s) is
+            # dispatched when its wait ends, even if no event comes before
+            wake = self._wait_until()
+            now = self.cluster.now()
+            events = self.cluster.poll(until=min(next_tick, wake) if wake > now else next_tick)
             self.stats.events += len(events)
             before = self.rl.version
             for ev in events:
@@ -202,12 +219,25 @@ class Coordinator:
                     self.mode.on_change(self)
             elif self.cluster.now() - last_event > self.stall_s:
                 raise ConservationError(f"no progress for {self.stall_s:.0f} s: {self.describe()}")
+            if self.cluster.now() >= self._wait_until():
+                self._dispatch_waits()
             if self.cluster.now() >= next_tick:
                 self.tick()
                 next_tick = self.cluster.now() + self.tick_s
             if progress is not None and self.rl.version != before:
                 progress(self.rl.version - before)
         self.telemetry.flush()
+
+    def _wait_until(self) -> float:
+        """When the earliest wait of a queued sequence for its preferred replica ends."""
+        return min(self.schedulers[r].wait_until for r in INFERENCE_ROLES)
+
+    def _dispatch_waits(self) -> None:
+        """Dispatch the roles with a wait that ended (the scheduler recomputes theirs)."""
+        now = self.cluster.now()
+        for r in INFERENCE_ROLES:
+            if self.schedulers[r].wait_until <= now:
+                self.dispatch(r)
 
     def tick(self) -> None:
         self.rates.advance(self.cluster.now(), self.schedulers, self.topology)

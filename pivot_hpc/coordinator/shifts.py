@@ -24,14 +24,9 @@ from pivot_hpc.coordinator.cluster import Cluster
 from pivot_hpc.coordinator.events import ReplicaFailed, SequenceFinished, ShiftDone
 from pivot_hpc.coordinator.monitor import ShiftClock
 from pivot_hpc.coordinator.rl_state import ConservationError, RLState
-from pivot_hpc.errors import PivotError
 from pivot_hpc.planner import ShiftPlan, Topology, TrainingState, role_of
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING, SnapshotError
 from pivot_hpc.scheduler import MigrationResult, Scheduler
-
-
-class TrainingEngineLost(PivotError, RuntimeError):
-    """The training engine's process died twice within deployment.engine_restart_window_s."""
 
 
 class ShiftHost(Protocol):
@@ -48,6 +43,7 @@ class ShiftHost(Protocol):
     # rebalanced
     stats: Any
     draining: bool
+    stop_reason: str | None  # set: the run stops itself (drains and saves, as on a signal)
 
     def dispatch(self, role: str) -> None: ...
 
@@ -378,7 +374,8 @@ class ShiftExecutor:
         """The training engine's process died between steps (`rl.trainer.process: child`):
         its worker has started a new one on the same GPU and refit it from GPS (the policy
         and the optimizer state of the current version) before any training command, so
-        nothing moves here. Dying again within the restart window stops the job: training
+        nothing moves here. Dying again within the restart window stops the job (the
+        coordinator drains and the job saves a checkpoint, as on a stop signal): training
         cannot be excluded (nothing else would train)."""
         stats = self.c.stats
         stats.engine_failures += 1
@@ -396,12 +393,14 @@ class ShiftExecutor:
             cause=ev.cause[:200],
         )
         print(f"pivot-hpc: {ev.where}: {ev.cause}", flush=True)
-        if again:
-            raise TrainingEngineLost(
+        if again:  # drained and checkpointed like a stop signal (its worker restarted it)
+            self.c.stop_reason = (
                 f"the {ev.where} died again {ev.t - last:.0f}s after its last death "
                 f"(deployment.engine_restart_window_s={self.restart_window_s:g}): training "
-                "cannot be excluded, so the job stops; run the same command (same --run-dir) "
-                "to resume from the last checkpoint"
+                "cannot be excluded, so the job stops"
+            )
+            print(
+                f"pivot-hpc: {self.c.stop_reason}; saving a checkpoint to resume from", flush=True
             )
         stats.engine_restarts += 1
 

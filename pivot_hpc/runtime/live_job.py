@@ -168,7 +168,7 @@ class LiveHooks(Hooks):
         if coord.stopped:  # a stop signal: drained; take the events already in, then save
             for ev in self.cluster.poll(until=self.cluster.now()):
                 coord.handle(ev)
-            self.ckpt.save(coord, stop.requested() or "signal")
+            self.ckpt.save(coord, stop.requested() or _self_stop(coord) or "signal")
 
     def close(self) -> None:
         self.trackers.close()
@@ -214,13 +214,25 @@ class LiveHooks(Hooks):
         )
 
 
+def _self_stop(coord) -> str | None:
+    """The checkpoint label (16 characters at most: telemetry) of a stop the run asked
+    of itself (Coordinator.stop_reason, whose line was printed then)."""
+    return "engine lost" if coord.stop_reason else None
+
+
+def _stopped_by(coord) -> str:
+    signal = stop.requested()
+    return f"by {signal}" if signal or not coord.stop_reason else "(a training engine lost)"
+
+
 def finish(job: Job, run_dir: Path) -> int:
     """Stop the workers and print the job's last line; the process's exit code."""
     coord, cluster, hooks = job.coordinator, job.cluster, job.hooks
     if coord.stopped:
         cluster.stop(stop.EXIT_REQUEUE)
         print(
-            f"pivot-hpc: stopped by {stop.requested()} at step {coord.rl.version}/"
+            f"pivot-hpc: stopped {_stopped_by(coord)} at step "
+            f"{coord.rl.version}/"
             f"{job.cfg.loop.steps}; run the same command with --run-dir {run_dir} to resume "
             f"(exit code {stop.EXIT_REQUEUE}: requeue)",
             flush=True,

@@ -69,9 +69,10 @@ class Worker:
         # when a test signals or kills the job
         self.decode_delay_s = float(os.environ.get("PIVOT_HPC_DECODE_DELAY_S", "0"))
         # tests: SIGKILL the trainer child (rl.trainer.process: child) right after this
-        # rank reports training step N done, a death between steps (TEST_KILL_TRAINER_ENV)
+        # rank reports training step N done (each N of "N[,M…]"), a death between steps
+        # (TEST_KILL_TRAINER_ENV)
         kill_after = os.environ.get(TEST_KILL_TRAINER_ENV)
-        self.test_kill_trainer_after = int(kill_after) if kill_after else None
+        self.test_kill_trainer_after = {int(n) for n in (kill_after or "").split(",") if n}
 
     def yield_to_coordinator(self) -> None:
         """Where a node has fewer cores than ranks (a CPU workstation), workers run at a
@@ -352,7 +353,7 @@ class Worker:
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
         self.send(msg.Trained(step, metrics))
         child = self._trainer_process()
-        if child is not None and step == self.test_kill_trainer_after:
+        if child is not None and step in self.test_kill_trainer_after:
             child.kill()  # the test hook: a death between steps
 
     # ---------------------------------------------------------- checkpoints

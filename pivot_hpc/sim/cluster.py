@@ -36,7 +36,7 @@ steps the rank's worker restarts its trainer and refits it from GPS, so the coor
 hears a `ReplicaFailed` of role training and the next step starts `restart_s` plus that
 group's shift-up later; inside a step — or when training's last reported death is within
 `deployment.engine_restart_window_s`, where the live coordinator stops the job
-(`TrainingEngineLost`) — the job stops and resumes from its last step's checkpoint: the
+(`Coordinator.stop_reason`: drained and saved) — the job stops and resumes from its last step's checkpoint: the
 whole cluster, coordinator included, pauses for `job_restart_s` (every pending event and
 engine clock moves on by it; no death falls in it) and the step starts over, its work so
 far lost. Deaths on GPUs that idle or shift are counted (`deaths_elsewhere`), not dealt.
@@ -338,8 +338,8 @@ class SimCluster:
         optimizer state), a `restart_s` start-up plus the group's shift-up, and no step
         starts on it before; the coordinator hears of it as live — unless training's last
         reported death is within the restart window, where the live coordinator stops the
-        job (`TrainingEngineLost`): the job stops here instead (the coordinator, never
-        told, does not raise)."""
+        job (`Coordinator.stop_reason`): the job stops here instead (the coordinator, never
+        told, does not end the simulated run)."""
         self.training_deaths += 1
         step = self._step
         if step is not None and group in step.groups and self.t >= step.start:

@@ -111,9 +111,10 @@ def test_a_death_inside_a_step_stops_the_job_and_the_step_is_redone() -> None:
 def test_a_second_training_death_within_the_window_stops_the_job_not_the_simulation(
     window: float, actions: list[str]
 ) -> None:
-    """Live, the coordinator raises TrainingEngineLost when training dies twice within the
-    window (the job stops). The simulator stops the job itself instead, without telling
-    the coordinator (which would raise), and the run goes on from the pause."""
+    """Live, the coordinator stops the job (drains, saves a checkpoint, exits to be
+    requeued) when training dies twice within the window. The simulator stops the job
+    itself instead, without telling the coordinator (which would end the simulated run),
+    and the run goes on from the pause."""
     job, rec = _job(
         "deployment.mode=pivot",
         f"deployment.engine_restart_window_s={window}",
