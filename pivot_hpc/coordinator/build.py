@@ -101,6 +101,14 @@ def rl_state(cfg: Config, source: SampleSource) -> RLState:
     )
 
 
+def affinity_wait(cfg: Config, backend: Backend) -> float:
+    """`scheduler.affinity_wait_s`, or 0 live on the hf engine: it caches no prefix, so a
+    turn waiting for its last replica would only be delayed."""
+    if not backend.simulated and cfg.engines.rollout.engine == "hf":
+        return 0.0
+    return cfg.scheduler.affinity_wait_s
+
+
 def build(cfg: Config, backend: Backend) -> Job:
     """The job of `cfg` on `backend`, ready to run: nothing is set on it afterwards."""
     cfg = backend.configure(cfg)
@@ -143,6 +151,7 @@ def build(cfg: Config, backend: Backend) -> Job:
         tool_timeout_s=cfg.tools.call_timeout_s if cfg.tools.enabled else None,
         horizon_s=cfg.planner.horizon_s,
         affinity_slack=cfg.scheduler.affinity_slack,
+        affinity_wait_s=affinity_wait(cfg, backend),
     )
     backend.ready(coord)
     return Job(

@@ -17,9 +17,10 @@ simulator — appends it to the sample's trajectory and says what it did (`Turn`
 
 Prefix affinity: the next turn of a trajectory (after a call or a refusal) prefers the
 replica its last turn ran on, which caches its context so far (`SeqState.affinity`, the
-scheduler's `affinity_slack`): placed there it prefills only the observation. The live
-vLLM engine reuses that cache by its automatic prefix caching, the simulator models it;
-the hf engine has no prefix cache (the preference then costs nothing and saves nothing).
+scheduler's `affinity_slack`; a full one it waits for up to `affinity_wait_s` from its
+submit here): placed there it prefills only the observation. The live vLLM engine reuses
+that cache by its automatic prefix caching, the simulator models it; the hf engine has
+no prefix cache (the preference then costs nothing and saves nothing).
 Moving a parked trajectory needs no abort, only a longer prefill next turn; the planner's
 φ counts that prefill for trajectories due back within H (`prefix_due`).
 

@@ -9,7 +9,8 @@ the choices against a brute-force argmax over `ThroughputModel.gain`).
 Replica arrays are indexed by position p (insertion order, the tie-breaker); a model is
 `kind` (0: the throughput model with constants A, B, C, D; 1: busy/idle for `vanilla`).
 Sequence arrays are indexed by position q: length, replica (-1 queued, -2 gone), id,
-and the preferred replica (negative: none; see `prefer`).
+the preferred replica (negative: none; see `prefer`) and until when it may wait for it
+(`dispatch_order`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ def gain(kind, A, B, C, D, n, tok, length):
     return (n + 1) / latency(A, B, C, D, n + 1, tok + length) - throughput(kind, A, B, C, D, n, tok)
 
 
+@njit(cache=True, inline="always")
+def has_room(p, length, n, tok, cap, nmax):
+    """Replica p can take a sequence of `length` tokens: KV room and a running slot."""
+    return tok[p] + length <= cap[p] and (nmax[p] <= 0 or n[p] < nmax[p])
+
+
+@njit(cache=True, inline="always")
+def is_candidate(p, cand):
+    """p is one of the ascending candidate positions `cand`."""
+    i = np.searchsorted(cand, p)
+    return i < cand.shape[0] and cand[i] == p
+
+
 @njit(cache=True)
 def best_replica(length, cand, n, tok, cap, nmax, kind, A, B, C, D):
     """argmax ΔT over candidate positions `cand` (ascending) with room (KV tokens within
@@ -51,7 +65,7 @@ def best_replica(length, cand, n, tok, cap, nmax, kind, A, B, C, D):
     best_gain = 0.0
     for i in range(cand.shape[0]):
         p = cand[i]
-        if tok[p] + length > cap[p] or (nmax[p] > 0 and n[p] >= nmax[p]):
+        if not has_room(p, length, n, tok, cap, nmax):
             continue
         g = gain(kind[p], A[p], B[p], C[p], D[p], n[p], tok[p], length)
         if best < 0 or g > best_gain:
@@ -70,10 +84,7 @@ def prefer(best, pref, slack, length, cand, n, tok, cap, nmax, kind, A, B, C, D)
     a `pref` that shifted down is no candidate, so it simply means no preference."""
     if best < 0 or pref < 0 or pref == best or slack <= 0.0:
         return best
-    i = np.searchsorted(cand, pref)  # cand is ascending
-    if i >= cand.shape[0] or cand[i] != pref:
-        return best
-    if tok[pref] + length > cap[pref] or (nmax[pref] > 0 and n[pref] >= nmax[pref]):
+    if not is_candidate(pref, cand) or not has_room(pref, length, n, tok, cap, nmax):
         return best
     g_best = gain(kind[best], A[best], B[best], C[best], D[best], n[best], tok[best], length)
     g_pref = gain(kind[pref], A[pref], B[pref], C[pref], D[pref], n[pref], tok[pref], length)
@@ -84,29 +95,68 @@ def prefer(best, pref, slack, length, cand, n, tok, cap, nmax, kind, A, B, C, D)
 
 @njit(cache=True)
 def dispatch_order(
-    order, seq_len, seq_rep, seq_pref, slack, cand, n, tok, cap, nmax, kind, A, B, C, D, T
+    order,
+    seq_len,
+    seq_rep,
+    seq_pref,
+    seq_wait,
+    slack,
+    now,
+    cand,
+    n,
+    tok,
+    cap,
+    nmax,
+    kind,
+    A,
+    B,
+    C,
+    D,
+    T,
 ):
     """Dispatch queued sequences `order` (priority order) until one fits nowhere: each to
     the argmax-ΔT replica, or to its preferred one (`seq_pref`) within `slack` (`prefer`;
     slack 0: the argmax alone, as before).
 
-    Returns how many were placed; `seq_rep` tells where each went.
+    Bounded wait (slack > 0): a sequence whose preferred replica is a candidate without
+    room for it, while `now` < its `seq_wait` deadline, is skipped — it stays queued for
+    its replica and the sequences behind it are dispatched past it. One that fits nowhere
+    at all still stops the loop (strict priority, as without the wait).
+
+    Returns (entries of `order` examined: all, or up to the one that fits nowhere; how
+    many were placed; how many were skipped to wait; the earliest deadline among those,
+    inf if none). `seq_rep` tells where each placed one went; without skips the placed
+    ones are the first entries of `order`.
     """
     placed = 0
+    waiting = 0
+    wake = np.inf
+    stop = order.shape[0]
     for i in range(order.shape[0]):
         q = order[i]
         length = seq_len[q]
         p = best_replica(length, cand, n, tok, cap, nmax, kind, A, B, C, D)
-        if slack > 0.0 and seq_pref[q] >= 0:
-            p = prefer(p, seq_pref[q], slack, length, cand, n, tok, cap, nmax, kind, A, B, C, D)
         if p < 0:
+            stop = i
             break
+        pref = seq_pref[q]
+        if slack > 0.0 and pref >= 0 and pref != p:
+            if (
+                now < seq_wait[q]
+                and is_candidate(pref, cand)
+                and not has_room(pref, length, n, tok, cap, nmax)
+            ):
+                waiting += 1
+                if seq_wait[q] < wake:
+                    wake = seq_wait[q]
+                continue
+            p = prefer(p, pref, slack, length, cand, n, tok, cap, nmax, kind, A, B, C, D)
         seq_rep[q] = p
         n[p] += 1
         tok[p] += length
         T[p] = throughput(kind[p], A[p], B[p], C[p], D[p], n[p], tok[p])
         placed += 1
-    return placed
+    return stop, placed, waiting, wake
 
 
 @njit(cache=True)

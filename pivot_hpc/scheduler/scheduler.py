@@ -20,6 +20,16 @@ replica position, which names one incarnation of the replica (positions are neve
 reused): once it shifted down — even if the same slot came back up since, its cache
 gone — it is no preference. Alg. 4's migration ignores affinity.
 
+Bounded wait (issue 37, `affinity_wait_s`; needs the scheduler's `clock`): a sequence
+whose preferred replica is up but has no room for it (its running cap, or KV) stays
+queued for up to `affinity_wait_s` seconds from its submit instead of going elsewhere.
+Dispatch skips it and goes on with the sequences behind it, so it blocks none of them;
+it goes to its replica at the first Dispatch that finds room there (a slot freed), and
+to the argmax once its deadline passed: `wait_until` tells the caller when the earliest
+wait ends, so that it dispatches then even if nothing frees (Coordinator.run). A
+preference that is no candidate (shifted down, or a shift-up's dispatch onto the new
+replicas only) is never waited for.
+
 State lives in flat arrays (replica position p, sequence position q) so the planner can
 copy it cheaply and the compiled loops in `kernels.py` can run over it.
 """
@@ -198,7 +208,7 @@ class Scheduler:
         "D",
         "T",
     )
-    _SEQ_ARRAYS = ("seq_len", "seq_rep", "seq_id", "seq_pref")
+    _SEQ_ARRAYS = ("seq_len", "seq_rep", "seq_id", "seq_pref", "seq_wait")
 
     def __init__(
         self,
@@ -207,6 +217,8 @@ class Scheduler:
         priority: str = "seq_id",
         migration: bool = True,
         affinity_slack: float = 0.0,
+        affinity_wait_s: float = 0.0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.role = role
         if priority not in PRIORITIES:
@@ -218,6 +230,17 @@ class Scheduler:
         if not 0.0 <= affinity_slack <= 1.0:
             raise SchedulerError(f"{self.role}: affinity_slack {affinity_slack} not in [0, 1]")
         self.affinity_slack = affinity_slack  # 0: no soft affinity (kernels.prefer)
+        if not (math.isfinite(affinity_wait_s) and affinity_wait_s >= 0):
+            raise SchedulerError(
+                f"{self.role}: affinity_wait_s {affinity_wait_s} is not a finite number >= 0"
+            )
+        # how long a sequence may wait for its preferred replica (0: never; see the module
+        # docstring), measured on `clock` (the cluster's; None: no waits)
+        self.affinity_wait_s = affinity_wait_s
+        self.clock = clock
+        # the earliest deadline of a sequence the last dispatches left waiting (inf: none);
+        # never later than the true one (a dispatch recomputes it)
+        self.wait_until = math.inf
         self.replica_limit = 0  # running sequences per replica on top of the engine's cap
         # replicas, by position p (never reused: p is also the tie-breaking order)
         self.replicas: dict[str, int] = {}  # active replica id -> p
@@ -240,6 +263,7 @@ class Scheduler:
         self.seq_rep = np.zeros(0, np.int64)
         self.seq_id = np.zeros(0, np.int64)
         self.seq_pref = np.zeros(0, np.int64)  # preferred replica position (<0: none)
+        self.seq_wait = np.zeros(0)  # may wait for seq_pref until this clock time
         self._seqs: list[SeqState | None] = []
         self._q_of: dict[int, int] = {}
         # the same map as a dense array (seq_id -> q, -1: none) for bulk lookups of the
@@ -249,9 +273,10 @@ class Scheduler:
         # Both arrays are replaced, never written in place, so clones may share them.
         self._qpos = np.zeros(0, np.int64)
         self._qkey = np.zeros(0, np.int64)
-        # Copy on write of _seqs, _q_of, _q_arr, seq_len, seq_id and seq_pref: a clone copies them before it
-        # changes them (`_shared`); the original only while a clone sharing them is alive
-        # (the planner's clones live for one decision, so the original rarely copies).
+        # Copy on write of _seqs, _q_of, _q_arr, seq_len, seq_id, seq_pref and seq_wait: a
+        # clone copies them before it changes them (`_shared`); the original only while a
+        # clone sharing them is alive (the planner's clones live for one decision, so the
+        # original rarely copies).
         self._shared = False
         self._sharers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
         self._pending: list[int] = []  # submitted, not yet merged into the queue arrays
@@ -420,6 +445,8 @@ class Scheduler:
         pref = seq.affinity
         live = 0 <= pref < len(self._rid_of) and self.active[pref]
         self.seq_pref[q] = pref if live else -1
+        wait = live and self.affinity_wait_s > 0 and self.clock is not None
+        self.seq_wait[q] = self.clock() + self.affinity_wait_s if wait else -math.inf
         self.seq_rep[q] = QUEUED
         self._pending.append(q)  # merged in bulk before the queue is next read
 
@@ -475,6 +502,7 @@ class Scheduler:
             self.seq_len = self.seq_len.copy()
             self.seq_id = self.seq_id.copy()
             self.seq_pref = self.seq_pref.copy()
+            self.seq_wait = self.seq_wait.copy()
             self._shared = False
             self._sharers = weakref.WeakSet()
 
@@ -647,20 +675,26 @@ class Scheduler:
         self, targets: Iterable[str] | None = None, *, record: bool = True
     ) -> list[tuple[int, str]]:
         """Dispatch waiting sequences in priority order to the max-ΔT replica with room
-        (or a sequence's preferred one within `affinity_slack`, see the module docstring)."""
+        (or a sequence's preferred one within `affinity_slack`, or none yet while it may
+        wait for that one: see the module docstring)."""
         if not self.n_queued:
+            self.wait_until = math.inf
             return []
         m = len(self._rid_of)
         cand, caps = self._candidates(targets), self._caps(m)
+        now = self.clock() if self.clock is not None and self.affinity_wait_s > 0 else math.inf
         done = []  # positions placed, in dispatch order
+        wake = math.inf
         while self.n_queued:
             order, merged = self._head()
-            placed = kernels.dispatch_order(
+            stop, placed, waiting, w = kernels.dispatch_order(
                 order,
                 self.seq_len,
                 self.seq_rep,
                 self.seq_pref,
+                self.seq_wait,
                 self.affinity_slack,
+                now,
                 cand,
                 self.n[:m],
                 self.tok[:m],
@@ -673,10 +707,18 @@ class Scheduler:
                 self.D[:m],
                 self.T[:m],
             )
-            self._take(order[:placed], merged)
-            done.append(order[:placed])
-            if placed < len(order):  # one fits nowhere: the rest waits behind it
-                break
+            wake = min(wake, w)
+            if waiting:
+                done.append(self._take_past(order[:stop], merged))
+            else:
+                self._take(order[:placed], merged)
+                done.append(order[:placed])
+            if stop < len(order) or merged is None:
+                break  # one fits nowhere (the rest waits behind it), or the whole queue seen
+            if waiting:  # the waiting ones stay at the head: next, the whole queue
+                self._flush()
+        # a dispatch onto some replicas only does not see every wait
+        self.wait_until = wake if targets is None else min(self.wait_until, wake)
         qs = np.concatenate(done)
         if not len(qs):
             return []
@@ -716,6 +758,20 @@ class Scheduler:
             gone = set(placed[~merged[:n]].tolist())
             self._pending = [q for q in self._pending if q not in gone]
 
+    def _take_past(self, seen: np.ndarray, merged: np.ndarray | None) -> np.ndarray:
+        """Drop from the queue those of the first entries `seen` of a `_head` that were
+        placed, past the ones left waiting; returns them (in `seen`'s order)."""
+        placed = self.seq_rep[seen] >= 0
+        from_q = np.ones(len(seen), bool) if merged is None else merged[: len(seen)]
+        k = int(np.count_nonzero(from_q))  # those of `seen` that are _qpos[:k], in order
+        keep = ~placed[from_q]
+        self._qpos = np.concatenate((self._qpos[:k][keep], self._qpos[k:]))
+        self._qkey = np.concatenate((self._qkey[:k][keep], self._qkey[k:]))
+        if k < len(seen):  # some were pending
+            gone = set(seen[~from_q & placed].tolist())
+            self._pending = [q for q in self._pending if q not in gone]
+        return seen[placed]
+
     # ------------------------------------------------ Alg. 3 and Alg. 4
     def shift_down(self, rids: Iterable[str], *, record: bool = True) -> MigrationResult:
         """Alg. 3: abort everything on the leaving replicas, remove them, re-dispatch."""
@@ -753,7 +809,6 @@ class Scheduler:
         for rid, capacity, model in new:
             self.add_replica(rid, capacity, model)
             added.append(rid)
-        before = len(self._qpos) + len(self._pending)
         self._flush()
         queued = self._qpos
         res.dispatched = self.dispatch(added, record=record)
@@ -763,7 +818,7 @@ class Scheduler:
         if self.migration and added and not self.n_queued:
             # the new replicas come last in position order: their sequences (just placed
             # from the queue) extend the cached order of everything that already ran
-            placed = queued[: before - self.n_queued]
+            placed = queued[self.seq_rep[queued] >= 0]
             assert base is not None
             self._migrate(res, record, np.concatenate([base, self._sorted_running(placed)]))
         res.migrate_s = time.perf_counter() - t1
@@ -868,6 +923,7 @@ class Scheduler:
         c = Scheduler.__new__(Scheduler)
         c.role, c.priority_key, c.migration = self.role, self.priority_key, self.migration
         c.affinity_slack = self.affinity_slack
+        c.affinity_wait_s, c.clock, c.wait_until = self.affinity_wait_s, self.clock, self.wait_until
         c.replica_limit = self.replica_limit
         c.replicas = dict(self.replicas)
         c._rid_of = list(self._rid_of)
@@ -878,6 +934,7 @@ class Scheduler:
         # planner's simulations only move sequences between the queue and replicas.
         c.seq_rep = self.seq_rep.copy()
         c.seq_len, c.seq_id, c.seq_pref = self.seq_len, self.seq_id, self.seq_pref
+        c.seq_wait = self.seq_wait
         c._seqs, c._q_of, c._q_arr = self._seqs, self._q_of, self._q_arr
         c._shared = True
         c._sharers = weakref.WeakSet()
@@ -913,3 +970,5 @@ class Scheduler:
             # a preference names a replica position that existed (maybe inactive by now)
             assert pref < len(self._rid_of), (seq_id, pref)
             assert pref < 0 or pref == self._seqs[q].affinity, (seq_id, pref)
+            # a wait is for a preference only
+            assert pref >= 0 or self.seq_wait[q] == -math.inf, (seq_id, self.seq_wait[q])
