@@ -31,3 +31,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         for name in BY_DIRECTORY.get(top, ()):
             item.add_marker(getattr(pytest.mark, name))
+
+
+_MPI_REPORTED = False  # the first test to initialise MPI fails, not every one after it
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """MPI must not be initialised in the test process (importing pivot_hpc.runtime.worker
+    or mpi4py's MPI does it): every job a later test starts would inherit the singleton
+    world's environment and see a one-rank world. Fail the test that did it, not the many
+    that would fail after it (it once cost a CI run of four unrelated failures)."""
+    import sys
+
+    global _MPI_REPORTED
+    mpi = sys.modules.get("mpi4py.MPI")
+    initialized = getattr(mpi, "Is_initialized", None)
+    if not _MPI_REPORTED and callable(initialized) and initialized():
+        _MPI_REPORTED = True
+        pytest.fail(
+            f"{item.nodeid} initialised MPI in the test process; run MPI code in a "
+            "subprocess (mpirun) and keep pivot_hpc.runtime.worker/main out of test imports",
+            pytrace=False,
+        )

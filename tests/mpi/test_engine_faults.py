@@ -243,6 +243,10 @@ def test_vllm_engines_killed_mid_step_are_recovered_and_every_sample_trains_once
 # one on the same GPU and refits it from GPS (the policy and the optimizer state published
 # with it); the run goes on with every version and every sample trained once.
 TRAIN_STEPS, KILLED_AFTER = 4, 1
+# runtime/worker.py's TEST_KILL_TRAINER_ENV, spelled out: importing the worker here would
+# initialise MPI in the test process (mpi4py), and every job a later test starts would
+# inherit a one-rank singleton world's environment
+TEST_KILL_TRAINER_ENV = "PIVOT_HPC_TEST_KILL_TRAINER_AFTER_STEP"
 
 
 @pytest.mark.slow
@@ -250,8 +254,6 @@ TRAIN_STEPS, KILLED_AFTER = 4, 1
 def test_a_trainer_child_killed_between_steps_restarts_and_every_sample_trains_once(
     tmp_path: Path,
 ) -> None:
-    from pivot_hpc.runtime.worker import TEST_KILL_TRAINER_ENV
-
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     config = [c for c in CONFIG if not c.startswith("loop.steps=")]
     proc = start_job(
