@@ -371,12 +371,13 @@ class ShiftExecutor:
             self.take_down([rid])
 
     def _training_failed(self, ev: ReplicaFailed) -> None:
-        """The training engine's process died between steps (`rl.trainer.process: child`):
-        its worker has started a new one on the same GPU and refit it from GPS (the policy
-        and the optimizer state of the current version) before any training command, so
-        nothing moves here. Dying again within the restart window stops the job (the
-        coordinator drains and the job saves a checkpoint, as on a stop signal): training
-        cannot be excluded (nothing else would train)."""
+        """A training engine's process died between steps (`rl.trainer.process: child`):
+        the training set replaces its children on the same GPUs, refit from GPS (the policy
+        and the optimizer state of the current version), before its next step or
+        checkpoint (runtime/worker.py), so nothing moves here. Training counts as one
+        engine: a death of any of its processes within the restart window of the last
+        stops the job (the coordinator drains and the job saves a checkpoint, as on a stop
+        signal): training cannot be excluded (nothing else would train)."""
         stats = self.c.stats
         stats.engine_failures += 1
         last = self.died_at.get(TRAINING)
@@ -395,7 +396,7 @@ class ShiftExecutor:
         print(f"pivot-hpc: {ev.where}: {ev.cause}", flush=True)
         if again:  # drained and checkpointed like a stop signal (its worker restarted it)
             self.c.stop_reason = (
-                f"the {ev.where} died again {ev.t - last:.0f}s after its last death "
+                f"the {ev.where} died {ev.t - last:.0f}s after the last training engine death "
                 f"(deployment.engine_restart_window_s={self.restart_window_s:g}): training "
                 "cannot be excluded, so the job stops"
             )

@@ -26,10 +26,11 @@ stays where the rank's is (TORCHINDUCTOR_CACHE_DIR): a restart compiles nothing 
 
 `ChildTrainer` runs the training engine (`rl.trainer.process: child`) through the same
 machinery (`_ChildProcess`: spawn, calls, liveness, watchdog, `_died`; `kind` "train"
-picks what the child builds). It trains alone: its child makes a torch.distributed world
-of one rank with a file store in its own temporary directory (`PIVOT_HPC_STORE`, the
-rank's training world, is not passed on either), and it dies with its rank
-(PR_SET_PDEATHSIG: SIGKILL; a step in progress would otherwise hold its GPU until it ends).
+picks what the child builds). The training set's children make a torch.distributed world
+of their own (`world_env`: their ranks, and where this generation of them meets; one
+child alone uses a file store in its own temporary directory); the rank's launcher
+variables never reach them. A child dies with its rank (PR_SET_PDEATHSIG: SIGKILL; a step
+in progress would otherwise hold its GPU until it ends).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class _ChildProcess:
     words of a death (`_died`). `kind` picks what the child builds (`_build`); `name`
     words its errors ("<name> engine process PID …"). `pdeathsig`: the child is killed
     (SIGKILL) as soon as the thread that started it ends (the rank's main thread: start
-    it from no other), even in the middle of a call."""
+    it from no other), even in the middle of a call. `env_extra`: variables set in the
+    child after the rank's MPI and torch.distributed ones are taken out (a trainer child's
+    own world: ChildTrainer)."""
 
     def __init__(
         self,
@@ -86,6 +89,7 @@ class _ChildProcess:
         name: str,
         watchdog_s: float | None,
         pdeathsig: bool = False,
+        env_extra: dict[str, str] | None = None,
     ) -> None:
         self.watchdog_s = watchdog_s
         self.kind = name
@@ -97,6 +101,7 @@ class _ChildProcess:
             if not k.startswith(_MPI_ENV) and k not in _DIST_ENV and k != STORE_ENV
         }
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+        env.update(env_extra or {})
         if pdeathsig:
             env[_PARENT_ENV] = str(os.getpid())
         # the child's temporary files: removed at its exit and by `_stop` (module docstring)
@@ -267,9 +272,12 @@ class ChildEngine(_ChildProcess):
 
 class ChildTrainer(_ChildProcess):
     """A TrainEngine (`rl.trainer.engine`, engines/train_factory.py) in a child process of
-    its rank (`rl.trainer.process: child`): one training rank alone, whose child makes a
-    torch.distributed world of its own (one rank, a file store in its own temporary
-    directory; no MPI, torch.distributed or `PIVOT_HPC_STORE` variables reach it).
+    its rank (`rl.trainer.process: child`). The children of the training set make a
+    torch.distributed world of their own: `world_env` gives each its RANK and WORLD_SIZE
+    and where this generation of them meets (`PIVOT_HPC_STORE`, a file store on one node,
+    or MASTER_ADDR/MASTER_PORT across nodes; runtime/worker.py picks a new one whenever
+    they are started again). Without it the child trains alone (a world of one, a file
+    store in its own temporary directory). No MPI or launcher variable reaches it.
 
     Every TrainEngine call is one request (tensors by value: the batch, canonical weights
     and optimizer state travel on the CPU); the attributes the runtime reads (`version`,
@@ -289,6 +297,7 @@ class ChildTrainer(_ChildProcess):
         max_response_tokens: int | None = None,
         watchdog_s: float | None = None,
         num_threads: int = 1,
+        world_env: dict[str, str] | None = None,
     ) -> None:
         kwargs = {
             "model_cfg": model_cfg,
@@ -297,7 +306,14 @@ class ChildTrainer(_ChildProcess):
             "max_response_tokens": max_response_tokens,
             "num_threads": num_threads,
         }
-        super().__init__("train", (kwargs,), name="training", watchdog_s=watchdog_s, pdeathsig=True)
+        super().__init__(
+            "train",
+            (kwargs,),
+            name="training",
+            watchdog_s=watchdog_s,
+            pdeathsig=True,
+            env_extra=world_env,
+        )
         self.device = self.info["device"]  # fixed for the process's life (one rank)
         self.dp: int = self.info["dp"]
         self.dp_rank: int = self.info["dp_rank"]
@@ -370,7 +386,8 @@ class ChildTrainer(_ChildProcess):
 
     def use_data_parallel(self, group: Any, size: int, rank: int) -> None:
         raise NotImplementedError(
-            "a training engine in a child process trains alone (rl.trainer.process=child)"
+            "a training engine in a child process trains over the fixed training set "
+            "(rl.trainer.process=child: no elastic training)"
         )
 
     def optimizer_kinds(self) -> tuple[str, ...]:
@@ -470,8 +487,9 @@ def _build(kind: str, *args: Any) -> Any:
 
 
 def _build_trainer(kwargs: dict[str, Any]) -> Any:
-    """The training engine of this child: a torch.distributed world of one rank (no
-    launcher variables reach it; init_distributed makes a private file store in TMPDIR)."""
+    """The training engine of this child: in the world its rank gave it (RANK,
+    WORLD_SIZE and a store: ChildTrainer's `world_env`), else a world of one rank
+    (init_distributed makes a private file store in TMPDIR)."""
     from types import SimpleNamespace
 
     import torch

@@ -134,11 +134,11 @@ class TrainerConfig:
     # only each layer's input and re-runs the layer in backward (one more forward).
     recompute: Literal["none", "selective", "full"] = "none"
     # Where the training engine runs. in_rank = in the worker rank's own process; child =
-    # in a child process of the rank (engines/child_engine.py `ChildTrainer`): a death of
-    # that process between steps restarts it on the same GPU, refit from GPS (the policy
-    # and the optimizer state, published after every step) — a death inside a step still
-    # stops the job (docs/engines.md). child: a one-rank training world only
-    # (training.num_gpus=1, tp=1, no elastic training, no distributed optimizer).
+    # in a child process of each training rank (engines/child_engine.py `ChildTrainer`): a
+    # death of one between steps replaces the set's children on the same GPUs, refit from
+    # GPS (the policy and the optimizer state, published after every step) — a death
+    # inside a step still stops the job (docs/engines.md). child: a fixed training set
+    # (any training.num_gpus and tp; no elastic training, no distributed optimizer).
     process: Literal["in_rank", "child"] = "in_rank"
 
     def validate(self, path: str) -> None:

@@ -44,7 +44,9 @@ ROLES = ("rollout", "reward")
 
 
 class Worker:
-    def __init__(self, comm, gps, cfg, policy_dir, genrm_dir, world: TrainingWorld) -> None:
+    def __init__(
+        self, comm, gps, cfg, policy_dir, genrm_dir, world: TrainingWorld, train_comm=None
+    ) -> None:
         self.comm = comm
         self.gps = gps
         self.cfg = cfg
@@ -55,6 +57,12 @@ class Worker:
         # a rank of an elastic extension slot: trains only in the steps it is taken for
         self.extension = rank in world.ranks and rank not in world.base
         self.step_groups = StepGroups(world)
+        # rl.trainer.process: child — the training set's ranks (an MPI communicator, in
+        # torch-rank order), which replace their trainer children together (see
+        # _replace_lost_trainers); the generation names where each new set meets
+        self.train_comm = train_comm
+        self._trainer_generation = 0
+        self._trainer_lost = False  # this rank's child died: reported, not yet replaced
         self.engines: dict[str, Any] = {}
         self.trainer: TrainEngine | None = None
         self.reference = None
@@ -69,10 +77,11 @@ class Worker:
         # when a test signals or kills the job
         self.decode_delay_s = float(os.environ.get("PIVOT_HPC_DECODE_DELAY_S", "0"))
         # tests: SIGKILL the trainer child (rl.trainer.process: child) right after this
-        # rank reports training step N done (each N of "N[,M…]"), a death between steps
-        # (TEST_KILL_TRAINER_ENV)
-        kill_after = os.environ.get(TEST_KILL_TRAINER_ENV)
-        self.test_kill_trainer_after = {int(n) for n in (kill_after or "").split(",") if n}
+        # rank reports training step N done (each N of "N[,M…]"; "N@R": on world rank R
+        # only), a death between steps (TEST_KILL_TRAINER_ENV)
+        self.test_kill_trainer_after = _kill_steps(
+            os.environ.get(TEST_KILL_TRAINER_ENV, ""), comm.Get_rank()
+        )
 
     def yield_to_coordinator(self) -> None:
         """Where a node has fewer cores than ranks (a CPU workstation), workers run at a
@@ -192,7 +201,7 @@ class Worker:
 
     # ------------------------------------------------------------- commands
     def handle(self, cmd: msg.Command) -> None:
-        self._check_trainer()  # a trainer child dead between steps: restarted first
+        self._check_trainer()  # a trainer child dead between steps: reported first
         kind = type(cmd).__name__.lower()  # PIVOT_HPC_FAULT names it so: "train", "save", …
         if self.fault and self.fault.split("@")[0] == kind:
             target = self.fault.partition("@")[2]
@@ -219,6 +228,7 @@ class Worker:
                 engine.load_weights(tensors, version)
                 self.send(msg.WeightsLoaded(version, time.perf_counter() - t0))
             case msg.Train(step, batch, members):
+                self._replace_lost_trainers()
                 self.train(step, batch, members)
             case msg.FormGroups(members):
                 self.step_groups.form(members, self.comm.Get_rank())
@@ -229,8 +239,11 @@ class Worker:
                 engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
                 self.send(msg.Peeked(self.role, engine.snapshot() if engine is not None else []))
             case msg.Save(path):
+                if path is not None:
+                    self._replace_lost_trainers()
                 self.save(path)
             case msg.Restore(path):
+                self._replace_lost_trainers()
                 self.restore(path)
             case _:
                 raise ValueError(f"worker: unknown command {cmd!r}")
@@ -252,6 +265,8 @@ class Worker:
             t1 = time.perf_counter()
             read_optimizer(self.gps, self.trainer, self.comm.Get_rank(), version)
             phases["reload_s"] = time.perf_counter() - t1
+        elif leader and role == "training" and self._trainer_lost:
+            pass  # its replacement is refit as training (_replace_lost_trainers)
         elif leader and role == "training":
             self.trainer.resume_memory()  # (released at shift down on a GPU)
             self.trainer.reload_optimizer()
@@ -302,6 +317,8 @@ class Worker:
             if self.trainer.device.type == "cuda":
                 self.trainer.release_memory()
             phases["discard_s"] = time.perf_counter() - t0
+        elif self.role == "training" and self._trainer_lost:
+            pass  # its replacement is refit shifted down (_replace_lost_trainers)
         elif self.role == "training":
             self.trainer.offload_optimizer()
             phases["offload_s"] = time.perf_counter() - t0
@@ -348,8 +365,8 @@ class Worker:
             dtypes = {t.name: getattr(torch, t.dtype) for t in spec.tensors}
             shards = {k: v.detach().to(dtypes[k]).contiguous() for k, v in weights.items()}
             version = self.gps.write("policy", self.training_ranks[:1], _tp1(), shards)
-            if self._child_trainer:  # what a restarted trainer child reads back
-                self._publish_optimizer()
+        if self._child_trainer:  # what restarted trainer children read back
+            self._publish_optimizer()
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
         self.send(msg.Trained(step, metrics))
         child = self._trainer_process()
@@ -450,7 +467,7 @@ class Worker:
         from pivot_hpc.models.zoo import load_model
 
         model, _ = load_model(self.dirs["rollout"])
-        if self._child_trainer:  # one training rank alone: its child makes its own world
+        if self._child_trainer:  # the children of the training set make their own world
             from pivot_hpc.engines.child_engine import ChildTrainer
 
             rl = self.cfg.rl
@@ -459,6 +476,7 @@ class Worker:
                 rl.trainer,
                 rl.grpo,
                 max_response_tokens=rl.max_response_tokens,
+                world_env=self._child_world_env(),
             )
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["RANK"] = str(self.world.torch_rank(self.comm.Get_rank()))
@@ -480,40 +498,101 @@ class Worker:
         return self.trainer if isinstance(self.trainer, ChildTrainer) else None
 
     def _publish_optimizer(self) -> None:
-        """The trainer child's optimizer state to GPS at its policy version (after each
-        step, at start and after a restore): what a restarted child reads back."""
+        """The trainer children's optimizer state to GPS at their policy version (after
+        each step, at start and after a restore): what restarted children read back.
+        Gathered over tensor parallelism by the training set's first replica; its first
+        rank writes."""
         rank = self.comm.Get_rank()
-        publish_optimizer(self.gps, self.trainer, rank, rank, self.trainer.version)
+        if rank in self.training_ranks[: self.world.tp]:
+            writer = self.training_ranks[0]
+            publish_optimizer(self.gps, self.trainer, rank, writer, self.trainer.version)
+
+    def _child_world_env(self) -> dict[str, str]:
+        """Where this generation of the training set's children meets (ChildTrainer's
+        `world_env`; collective over the training set). One child alone: its own private
+        store. On one node: a new file in the rank-0 private directory the ranks' own
+        rendezvous uses (runtime/main.py); across nodes: a TCP store on the first training
+        rank's host, on a port it finds free there for each generation (the last
+        generation's children are all gone by then: _replace_lost_trainers)."""
+        import socket
+
+        from pivot_hpc.engines.megatron_model import STORE_ENV
+
+        size = len(self.training_ranks)
+        if size == 1:
+            return {}
+        env = {
+            "RANK": str(self.world.torch_rank(self.comm.Get_rank())),
+            "WORLD_SIZE": str(size),
+        }
+        if os.environ.get(STORE_ENV):
+            env[STORE_ENV] = f"{os.environ[STORE_ENV]}.trainers{self._trainer_generation}"
+            return env
+        offer = None
+        if self.train_comm.Get_rank() == 0:
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                offer = (socket.gethostname(), str(sock.getsockname()[1]))
+        env["MASTER_ADDR"], env["MASTER_PORT"] = self.train_comm.bcast(offer, root=0)
+        return env
 
     def _check_trainer(self) -> None:
         """A trainer child found dead between steps (the 0.5 s health check, or the start
-        of a command) is started again on this GPU and refit from GPS before it is used:
-        the current policy and the optimizer state published with it. The coordinator
-        hears it (`EngineFailed`) and stops the job if it dies again within
-        deployment.engine_restart_window_s. A death inside a call (a step, a save) is
-        the call's EngineProcessError: the rank fails and the job stops, as it would
-        with the trainer in the rank."""
+        of a command) is reported to the coordinator (`EngineFailed`; it stops the job if
+        one dies again within deployment.engine_restart_window_s) and replaced at the
+        training set's next collective command (_replace_lost_trainers). Until then a
+        shift leaves it alone: the new child is refit as the shift would leave it. A death
+        inside a call (a step, a save) is the call's EngineProcessError: the rank fails
+        and the job stops, as it would with the trainer in the rank."""
         child = self._trainer_process()
-        if child is None or not child.dead:
+        if child is None or self._trainer_lost or not child.dead:
             return
-        cause = str(child.death())
-        self.send(msg.EngineFailed("training", cause, 0, 0, 0))
-        child.close()
+        self._trainer_lost = True
+        self.send(msg.EngineFailed("training", str(child.death()), 0, 0, 0))
+
+    def _replace_lost_trainers(self) -> None:
+        """Before a command the training set runs together (a step, a checkpoint save or
+        restore): if any rank's trainer child died, every rank of the set replaces its own
+        with a new one, in a new world (a survivor's world has lost a member), refit from
+        GPS on the same GPU: the current policy and the optimizer state published with
+        it. A survivor's own state is that same state, so the set trains on exactly where
+        it was. Collective over the training set (all of them receive these commands, in
+        the same order)."""
+        if self.train_comm is None:
+            return
+        self._check_trainer()
+        if not self.train_comm.allreduce(self._trainer_lost, op=MPI.LOR):
+            return
+        self._trainer_process().close()  # dead, or alive in a world that lost a member
+        self.train_comm.Barrier()  # the last generation is gone before the next one meets
+        self._trainer_generation += 1
         version = self.gps.version("policy")
         have = {k: self.gps.version(OPTIMIZER_MODELS[k]) for k in ("exp_avg", "exp_avg_sq")}
         if any(v != version for v in have.values()):
             raise RuntimeError(
-                f"the training engine process died ({cause}) but GPS holds the optimizer "
-                f"state of {have}, not of policy v{version}: it cannot be restarted; run the "
-                "same command to resume from the last checkpoint"
+                f"a training engine process died but GPS holds the optimizer state of "
+                f"{have}, not of policy v{version}: it cannot be restarted; run the same "
+                "command to resume from the last checkpoint"
             )
         self.trainer = self._make_trainer()
         self._load_policy_to_train(version)
         read_optimizer(self.gps, self.trainer, self.comm.Get_rank(), version, timeout_s=5.0)
+        self._trainer_lost = False
         if self.role != "training":  # shifted down: as a shift-down leaves it
             self.trainer.offload_optimizer()
             if self.trainer.device.type == "cuda":
                 self.trainer.release_memory()
+
+
+def _kill_steps(spec: str, rank: int) -> set[int]:
+    """The steps after which the trainer-kill test hook fires on world rank `rank`:
+    "N[,M…]", each N on every training rank or "N@R" on rank R only."""
+    steps = set()
+    for item in filter(None, spec.split(",")):
+        step, _, on = item.partition("@")
+        if not on or int(on) == rank:
+            steps.add(int(step))
+    return steps
 
 
 def shard(batch, d: int, dp: int):

@@ -136,20 +136,18 @@ def check_live_config(cfg: Config) -> None:
 
 
 def check_trainer_process(cfg: Config) -> None:
-    """`rl.trainer.process: child` (engines/child_engine.py `ChildTrainer`): the child
-    makes a torch.distributed world of its own, so the training world must be one rank."""
+    """`rl.trainer.process: child` (engines/child_engine.py `ChildTrainer`): the children
+    of the fixed training set make a torch.distributed world of their own, and replace
+    themselves together (runtime/worker.py); a world that changes members between steps
+    (elastic training) or a state sharded over them (the distributed optimizer) is not
+    built for it."""
     tr = cfg.rl.trainer
     if tr.process != "child":
         return
     from pivot_hpc.runtime.elastic import elastic_live
 
-    n_train = len(cfg.training_gpus())
     why = (
-        f"training.num_gpus={n_train}"
-        if n_train != 1
-        else f"rl.trainer.tp={tr.tp}"
-        if tr.tp != 1
-        else "planner.elastic_training=true"
+        "planner.elastic_training=true"
         if elastic_live(cfg)
         else "rl.trainer.distributed_optimizer=true"
         if tr.distributed_optimizer
@@ -157,8 +155,8 @@ def check_trainer_process(cfg: Config) -> None:
     )
     if why is not None:
         raise LayoutError(
-            f"rl.trainer.process=child with {why}: a training engine in a child process "
-            "runs a one-rank training world only (training.num_gpus=1, rl.trainer.tp=1, no "
+            f"rl.trainer.process=child with {why}: training engines in child processes "
+            "train over a fixed training set with a full optimizer state per rank (no "
             "elastic training, no distributed optimizer); use rl.trainer.process=in_rank"
         )
 

@@ -6,6 +6,7 @@ died. No MPI: each child makes a torch.distributed world of its own (fp32, CPU).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -93,6 +94,73 @@ def test_a_restarted_trainer_refit_from_weights_and_optimizer_state_trains_alike
                 t.close()
 
 
+class Pair:
+    """The trainer children of a two-rank training set (data parallel), each started and
+    driven from a thread of its own that lives as long as the pair (a child dies with the
+    thread that started it), meeting through `store` as the worker's `world_env` has them."""
+
+    def __init__(self, store) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.threads = [ThreadPoolExecutor(max_workers=1) for _ in range(2)]
+        env = [{"RANK": str(r), "WORLD_SIZE": "2", "PIVOT_HPC_STORE": str(store)} for r in (0, 1)]
+        self.trainers = self.each(lambda r: ChildTrainer(ARCH, TRAINER, world_env=env[r]))
+
+    def each(self, call) -> list:
+        """call(rank) on both ranks at once (a collective needs both)."""
+        futures = [t.submit(call, r) for r, t in enumerate(self.threads)]
+        return [f.result(timeout=120) for f in futures]
+
+    def train(self, b: TrainBatch) -> list[dict]:
+        return self.each(lambda r: self.trainers[r].train_step(b.rows(range(r, len(b), 2))))
+
+    def close(self) -> None:
+        self.each(lambda r: self.trainers[r].close())
+        for t in self.threads:
+            t.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_two_rank_training_set_replaced_after_a_death_trains_like_one_that_never_died(
+    tmp_path,
+) -> None:
+    """What the worker does when one of two trainer children dies between steps
+    (runtime/worker.py `_replace_lost_trainers`): both are replaced, in a new world (the
+    survivor's lost a member), and refit from what the set published after the last step.
+    The next step then matches, bit for bit, a set that never lost a child."""
+    canonical = {k: v.clone() for k, v in create_model(ARCH, seed=5).state_dict().items()}
+    first, second = batch(1), batch(2)
+    pairs = []
+    try:
+        hit, steady = Pair(tmp_path / "hit.g0"), Pair(tmp_path / "steady")
+        pairs += [hit, steady]
+        assert [(t.dp, t.dp_rank) for t in hit.trainers] == [(2, 0), (2, 1)]
+        for pair in pairs:
+            pair.each(lambda r, p=pair: p.trainers[r].load_weights(canonical))
+        first.old_logprobs = hit.trainers[0].compute_logprobs(first, temperature=1.0)
+        for pair in pairs:
+            pair.train(first)
+        # published after the step by the set's first rank (optimizer state: full, alike
+        # on both ranks: the gradients were averaged)
+        weights = hit.trainers[0].export_weights()
+        state = hit.trainers[0].optimizer_state()
+        os.kill(hit.trainers[1].pid, signal.SIGKILL)
+        hit.close()  # the survivor too: its world lost a member
+        new = Pair(tmp_path / "hit.g1")
+        pairs.append(new)
+        new.each(lambda r: new.trainers[r].load_weights(weights))
+        new.each(lambda r: new.trainers[r].load_optimizer_state(state, step=1, version=1))
+        second.old_logprobs = steady.trainers[0].compute_logprobs(second, temperature=1.0)
+        assert new.train(second) == steady.train(second)
+        wn, ws = new.trainers[1].export_weights(), steady.trainers[1].export_weights()
+        assert all(torch.equal(wn[k], ws[k]) for k in ws)
+        assert not all(torch.equal(ws[k], weights[k]) for k in ws)  # trained at all
+    finally:
+        for pair in pairs:
+            with contextlib.suppress(Exception):
+                pair.close()
+
+
 @pytest.mark.timeout(120)
 def test_the_trainer_child_dies_with_its_rank(tmp_path) -> None:
     """PR_SET_PDEATHSIG: a rank that dies (SIGKILL: no close, no pipe EOF handling) takes
@@ -139,20 +207,15 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    "override",
-    [
-        "training.num_gpus=2",
-        "rl.trainer.tp=2",
-        "planner.elastic_training=true",
-        "rl.trainer.distributed_optimizer=true",
-    ],
+    "override", ["planner.elastic_training=true", "rl.trainer.distributed_optimizer=true"]
 )
-def test_child_is_refused_before_launch_beyond_a_one_rank_training_world(override) -> None:
+def test_child_is_refused_before_launch_beyond_a_fixed_training_set(override) -> None:
     from pivot_hpc.config import load_config
     from pivot_hpc.runtime.world import LayoutError, check_live_config
 
     base = ["rl.trainer.process=child"]
-    check_live_config(load_config("configs/tiny.yaml", base))
+    for fixed_set in ([], ["training.num_gpus=2"], ["training.num_gpus=2", "rl.trainer.tp=2"]):
+        check_live_config(load_config("configs/tiny.yaml", [*base, *fixed_set]))
     cfg = load_config("configs/tiny.yaml", [*base, override])
     with pytest.raises(LayoutError, match=f"rl.trainer.process=child with {override}: .*in_rank"):
         check_live_config(cfg)

@@ -239,9 +239,10 @@ def test_vllm_engines_killed_mid_step_are_recovered_and_every_sample_trains_once
 
 # The training engine in a child process of its rank (`rl.trainer.process: child`): the
 # worker's test hook (runtime/worker.py TEST_KILL_TRAINER_ENV) SIGKILLs it right after the
-# rank reports step KILLED_AFTER trained, a death between steps. The worker starts a new
-# one on the same GPU and refits it from GPS (the policy and the optimizer state published
-# with it); the run goes on with every version and every sample trained once.
+# rank reports step KILLED_AFTER trained, a death between steps. The training set replaces
+# its children on the same GPUs (with two training ranks the survivor's too: its world lost
+# a member), refit from GPS (the policy and the optimizer state published with it); the run
+# goes on with every version and every sample trained once.
 TRAIN_STEPS, KILLED_AFTER = 4, 1
 # runtime/worker.py's TEST_KILL_TRAINER_ENV, spelled out: importing the worker here would
 # initialise MPI in the test process (mpi4py), and every job a later test starts would
@@ -251,15 +252,28 @@ TEST_KILL_TRAINER_ENV = "PIVOT_HPC_TEST_KILL_TRAINER_AFTER_STEP"
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("training_gpus", "killed_rank"),
+    # tiny.yaml: world rank 0 coordinates, workers 1-4 drive GPUs 0-3, training the last
+    # ones; with two, rank 3 (torch rank 0, the one that publishes to GPS) is killed
+    [(1, 4), (2, 3)],
+    ids=["one-training-rank", "two-training-ranks"],
+)
 def test_a_trainer_child_killed_between_steps_restarts_and_every_sample_trains_once(
-    tmp_path: Path,
+    tmp_path: Path, training_gpus: int, killed_rank: int
 ) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     config = [c for c in CONFIG if not c.startswith("loop.steps=")]
     proc = start_job(
-        run_command(run_dir, *config, f"loop.steps={TRAIN_STEPS}", "rl.trainer.process=child"),
+        run_command(
+            run_dir,
+            *config,
+            f"loop.steps={TRAIN_STEPS}",
+            "rl.trainer.process=child",
+            f"training.num_gpus={training_gpus}",
+        ),
         log,
-        **{TEST_KILL_TRAINER_ENV: str(KILLED_AFTER)},
+        **{TEST_KILL_TRAINER_ENV: f"{KILLED_AFTER}@{killed_rank}"},
     )
     try:
         assert proc.wait(timeout=540) == 0, log.read_text()[-4000:]
@@ -268,7 +282,9 @@ def test_a_trainer_child_killed_between_steps_restarts_and_every_sample_trains_o
             subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
     text = log.read_text()
     assert f"pivot-hpc: done: {TRAIN_STEPS} steps" in text, text[-3000:]
-    assert "training engine of rank" in text and "was killed by signal 9" in text, text[-3000:]
+    assert f"training engine of rank {killed_rank}" in text, text[-3000:]
+    assert "was killed by signal 9" in text and "alloc RO=" in text, text[-3000:]
+    assert f"TR={training_gpus}" in text, text[-3000:]
     r = open_run(run_dir)
     ids = r["trained"]["sample_id"]
     assert len(ids) == TRAIN_STEPS * PROMPTS * SAMPLES and len(np.unique(ids)) == len(ids)

@@ -139,8 +139,8 @@ def test_plans_and_stages_go_on_while_engines_restart(mode: str, capsys) -> None
 def test_a_training_engine_death_is_counted_and_a_second_within_the_window_stops_the_job(
     capsys,
 ) -> None:
-    """`rl.trainer.process: child`: the worker restarts its trainer child itself; the
-    coordinator counts it and moves nothing. Training cannot be excluded: a second death
+    """`rl.trainer.process: child`: the training set replaces its trainer children
+    itself; the coordinator counts the death and moves nothing. Training cannot be excluded: a second death
     within deployment.engine_restart_window_s stops the job, naming the rank."""
     coord, cluster = _serving("rollout:1")
     shifts = coord.shifts
@@ -152,6 +152,9 @@ def test_a_training_engine_death_is_counted_and_a_second_within_the_window_stops
     assert coord.stats.excluded == [] and shifts.died_at["training"] == cluster.now()
     assert f"pivot-hpc: {where}: killed" in capsys.readouterr().out
     shifts.on_failure(ReplicaFailed(cluster.now(), "training", "", where, "again"))
-    assert coord.stop_reason is not None and f"the {where} died again" in coord.stop_reason
+    assert (
+        coord.stop_reason is not None
+        and f"the {where} died 0s after the last training engine death" in coord.stop_reason
+    )
     assert "saving a checkpoint to resume from" in capsys.readouterr().out
     assert coord.stats.engine_failures == 2 and coord.stats.engine_restarts == 2

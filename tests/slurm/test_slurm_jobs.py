@@ -193,6 +193,46 @@ def test_two_node_live_run(slurm_cluster: Slurm, tmp_path: Path) -> None:
     assert (calls["tool_s"] <= calls["wait_s"] + 1e-6).all()
 
 
+@pytest.mark.timeout(900)
+def test_trainer_children_across_two_nodes_are_replaced_after_a_death(
+    slurm_cluster: Slurm, tmp_path: Path
+) -> None:
+    """rl.trainer.process=child with one training GPU on each node (training.gpus=[1,3]:
+    world ranks 2 and 5 of 2 × (host rank + 2 device slots)): the children meet over a
+    TCP store on the first training rank's host. The test hook SIGKILLs rank 5's child
+    after step 0; both nodes' children are replaced in a new world (a new port) before
+    step 1, and every sample is trained once."""
+    job = sbatch_tiny(
+        slurm_cluster,
+        tmp_path,
+        "--nodes=2",
+        "--ntasks-per-node=3",
+        overrides=[
+            "loop.steps=3",
+            "loop.batch_prompts=4",
+            "loop.eval_problems=0",
+            "cluster.nodes=2",
+            "cluster.gpus_per_node=2",
+            "training.gpus=[1,3]",
+            "rl.trainer.process=child",
+        ],
+        # runtime/worker.py TEST_KILL_TRAINER_ENV (importing it would initialise MPI here)
+        env=slurm_cluster.env(two_nodes=True, PIVOT_HPC_TEST_KILL_TRAINER_AFTER_STEP="0@5"),
+    )
+    out = tmp_path / f"{job}.out"
+    info = slurm_cluster.wait(job, JOB_WAIT_S, out)
+    assert info["JobState"] == "COMPLETED", logs(out)
+    text = out.read_text()
+    assert "on n[1-2] (6 tasks)" in text, logs(out)
+    assert "training engine of rank 5" in text and "killed by signal 9" in text, logs(out)
+    r = open_run(tmp_path / "run")
+    assert [int(s) for s in r["steps"]["step"]] == [0, 1, 2]
+    assert [int(v) for v in r["steps"]["version"]] == [1, 2, 3]
+    ids = sorted(int(i) for i in r["trained"]["sample_id"])
+    assert ids == list(range(3 * 4 * 4)), ids  # 3 steps × 4 prompts × 4 samples, each once
+    assert [str(a) for a in r["failures"]["action"]] == ["restart"], logs(out)
+
+
 @pytest.mark.timeout(600)
 def test_submit_through_submitit(slurm_cluster: Slurm, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
