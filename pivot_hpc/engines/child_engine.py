@@ -278,6 +278,9 @@ class ChildTrainer(_ChildProcess):
     or MASTER_ADDR/MASTER_PORT across nodes; runtime/worker.py picks a new one whenever
     they are started again). Without it the child trains alone (a world of one, a file
     store in its own temporary directory). No MPI or launcher variable reaches it.
+    `world`, `rank`: the world ranks that may train with training's tp, and this rank's
+    own, for elastic training's step groups, which live in the child
+    (`form_groups`/`use_members`; engines/step_groups.py).
 
     Every TrainEngine call is one request (tensors by value: the batch, canonical weights
     and optimizer state travel on the CPU); the attributes the runtime reads (`version`,
@@ -297,6 +300,8 @@ class ChildTrainer(_ChildProcess):
         max_response_tokens: int | None = None,
         watchdog_s: float | None = None,
         num_threads: int = 1,
+        world: Any = None,
+        rank: int | None = None,
         world_env: dict[str, str] | None = None,
     ) -> None:
         kwargs = {
@@ -305,6 +310,8 @@ class ChildTrainer(_ChildProcess):
             "grpo": grpo,
             "max_response_tokens": max_response_tokens,
             "num_threads": num_threads,
+            "world": world,
+            "rank": rank,
         }
         super().__init__(
             "train",
@@ -314,9 +321,7 @@ class ChildTrainer(_ChildProcess):
             pdeathsig=True,
             env_extra=world_env,
         )
-        self.device = self.info["device"]  # fixed for the process's life (one rank)
-        self.dp: int = self.info["dp"]
-        self.dp_rank: int = self.info["dp_rank"]
+        self.device = self.info["device"]  # fixed for the process's life
 
     @property
     def dead(self) -> bool:
@@ -343,6 +348,14 @@ class ChildTrainer(_ChildProcess):
     @property
     def steps(self) -> int:
         return self._get("steps")
+
+    @property
+    def dp(self) -> int:
+        return self._get("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self._get("dp_rank")
 
     @property
     def optimizer_step(self) -> int:
@@ -386,9 +399,19 @@ class ChildTrainer(_ChildProcess):
 
     def use_data_parallel(self, group: Any, size: int, rank: int) -> None:
         raise NotImplementedError(
-            "a training engine in a child process trains over the fixed training set "
-            "(rl.trainer.process=child: no elastic training)"
+            "a training engine in a child process has its process groups in the child: "
+            "form_groups(members), then use_members(members)"
         )
+
+    # ---- elastic training: the step groups live in the children's world ------------------
+    def form_groups(self, members: Any) -> None:
+        """Form a step member set's data-parallel groups (engines/step_groups.py,
+        in the child; collective over every child of the world, in the same order)."""
+        self._call("form_groups", tuple(members))
+
+    def use_members(self, members: Any) -> None:
+        """Train the next steps data parallel over `members`' groups (formed before)."""
+        self._call("use_members", tuple(members))
 
     def optimizer_kinds(self) -> tuple[str, ...]:
         return self._call("optimizer_kinds")
@@ -470,7 +493,7 @@ def _describe(kind: str, engine: Any) -> dict[str, Any]:
     """What the rank keeps of a started engine: an inference engine's limits, or a
     trainer's device and data parallelism (fixed for the process's life)."""
     if kind == "train":
-        return {k: getattr(engine, k) for k in ("device", "dp", "dp_rank")}
+        return {"device": engine.device}
     value = {
         k: getattr(engine, k)
         for k in ("weights_device", "version", "max_batch", "max_seq_len")
@@ -505,7 +528,32 @@ def _build_trainer(kwargs: dict[str, Any]) -> Any:
             max_response_tokens=kwargs["max_response_tokens"],
         )
     )
-    return make_train_engine(cfg, kwargs["model_cfg"])
+    engine = make_train_engine(cfg, kwargs["model_cfg"])
+    if kwargs["world"] is None:
+        return engine
+    return _TrainerInChild(engine, kwargs["world"], kwargs["rank"])
+
+
+class _TrainerInChild:
+    """A child's training engine with the step groups of elastic training beside it (the
+    groups are objects of the child's torch.distributed world: the rank names member
+    sets, the child keeps their groups). Everything else is the engine's."""
+
+    def __init__(self, engine: Any, world: Any, rank: int) -> None:
+        from pivot_hpc.engines.step_groups import StepGroups
+
+        self._engine = engine
+        self._groups = StepGroups(*world)
+        self._rank = rank
+
+    def form_groups(self, members: tuple[int, ...]) -> None:
+        self._groups.form(members, self._rank)
+
+    def use_members(self, members: tuple[int, ...]) -> None:
+        self._engine.use_data_parallel(*self._groups.of(members))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 def _build_inference(kind: str, model_dir: str, kwargs: dict[str, Any]) -> InferenceEngine:

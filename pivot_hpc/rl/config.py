@@ -135,10 +135,10 @@ class TrainerConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     # Where the training engine runs. in_rank = in the worker rank's own process; child =
     # in a child process of each training rank (engines/child_engine.py `ChildTrainer`): a
-    # death of one between steps replaces the set's children on the same GPUs, refit from
-    # GPS (the policy and the optimizer state, published after every step) — a death
-    # inside a step still stops the job (docs/engines.md). child: a fixed training set
-    # (any training.num_gpus and tp; no elastic training, no distributed optimizer).
+    # death of one between steps replaces every training child on the same GPUs, refit
+    # from GPS (the policy and the optimizer state, published after every step) — a
+    # death inside a step still stops the job (docs/engines.md). child: any
+    # training.num_gpus, tp and elastic training; not with the distributed optimizer.
     process: Literal["in_rank", "child"] = "in_rank"
 
     def validate(self, path: str) -> None:

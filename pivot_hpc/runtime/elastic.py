@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pivot_hpc.config import Config
 from pivot_hpc.engines.base import TrainEngine
+from pivot_hpc.engines.step_groups import StepGroups
 from pivot_hpc.gps import ModelSpec, Parallelism
 from pivot_hpc.planner.snapshot import extension_slots
 
@@ -103,46 +103,10 @@ class TrainingWorld:
     def torch_rank(self, rank: int) -> int:
         return self.ranks.index(rank)
 
-
-class StepGroups:
-    """The data-parallel process groups of every member set the run has trained with.
-
-    Every rank that may train forms each new set's groups (`FormGroups`, sent to all of
-    them in the same order): torch names a group by a per-rank counter, so every rank must
-    create the same groups in the same order — a group made by its members alone gets a
-    name that depends on the groups each member made before, and the members never meet.
-    A rank outside a group returns at once, so inference on it goes on."""
-
-    def __init__(self, world: TrainingWorld) -> None:
-        self.world = world
-        self._mine: dict[tuple[int, ...], tuple[object, int, int]] = {}
-
-    def form(self, members: Sequence[int], rank: int) -> None:
-        """Create the groups of `members` (one per tensor-parallel position)."""
-        import torch.distributed as dist
-
-        members = tuple(members)
-        tp = self.world.tp
-        replicas = [members[i : i + tp] for i in range(0, len(members), tp)]
-        if len(members) % tp or len(set(members)) != len(members):
-            raise ValueError(f"step members {list(members)} are not whole replicas of {tp}")
-        for j in range(tp):
-            ranks = [self.world.torch_rank(rep[j]) for rep in replicas]
-            # one replica: nothing to reduce, no group (the same choice on every rank)
-            group = dist.new_group(ranks) if len(replicas) > 1 else None
-            for d, rep in enumerate(replicas):
-                if rep[j] == rank:
-                    self._mine[members] = (group, len(replicas), d)
-
-    def of(self, members: Sequence[int]) -> tuple[object, int, int]:
-        """(group, data-parallel size, this rank's replica index) for a step of `members`."""
-        try:
-            return self._mine[tuple(members)]
-        except KeyError:
-            raise RuntimeError(
-                f"no process group for the step members {list(members)}: FormGroups must "
-                "reach every training rank before the step"
-            ) from None
+    def step_groups(self) -> StepGroups:
+        """The step member sets' process groups over this world (in the rank, or in its
+        trainer child: engines/step_groups.py)."""
+        return StepGroups(self.ranks, self.tp)
 
 
 def publish_optimizer(gps, trainer: TrainEngine, rank: int, writer: int, version: int) -> None:

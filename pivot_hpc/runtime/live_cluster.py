@@ -56,9 +56,14 @@ class LiveCluster:
         samples,
         world: TrainingWorld,
         tools_enabled: bool = False,
+        trainer_children: bool = False,
     ) -> None:
         self.comm = comm
         self.world = world  # the ranks that may train (runtime/elastic.py)
+        # rl.trainer.process: child — their children are checked before every step, save
+        # and restore, and replaced together after a death (_replace_lost_trainers)
+        self.trainer_children = trainer_children
+        self._trainer_generation = 0
         self._formed: set[tuple[int, ...]] = set()  # step member sets with process groups
         self.layout = layout
         self.topology = topology
@@ -244,6 +249,7 @@ class LiveCluster:
         for rid in sorted(extensions, key=slot_of):
             members += self._ranks(rid)
         self._members[step] = len(members)
+        self._replace_lost_trainers()
         # with elastic training every step names its replicas (also the set alone), and
         # every rank that may train forms a new set's groups first, in one order
         named = tuple(members) if self.world.elastic else ()
@@ -339,12 +345,33 @@ class LiveCluster:
     def save_ranks(self, path: str) -> tuple[dict[int, dict], float]:
         """Every worker's RNG states; the training ranks write `path`/train. Returns the
         states by rank and the slowest rank's save time."""
+        self._replace_lost_trainers()
         got = self._gather(self.worker_ranks(), msg.Save(path), msg.Saved)
         return {r: m.rng_states for r, m in got.items()}, max(m.seconds for m in got.values())
 
     def restore_ranks(self, path: str) -> float:
+        self._replace_lost_trainers()
         got = self._gather(self.worker_ranks(), msg.Restore(path), msg.Restored)
         return max(m.seconds for m in got.values())
+
+    def _replace_lost_trainers(self) -> None:
+        """Trainer children (`rl.trainer.process: child`) before the training world runs
+        a command together (a step, a save, a restore): every rank that may train says
+        whether its child lives. If one died (its rank reported it, or says so now) every
+        rank closes its own, the survivors' too (their torch.distributed world lost a
+        member), then all start new ones in a new world, refit from GPS (runtime/worker.py).
+        Asking first, rather than acting on the death reports alone, leaves no gap between
+        a death and the next step's command for the step to fall into."""
+        if not self.trainer_children:
+            return
+        ranks = list(self.world.ranks)
+        checked = self._gather(ranks, msg.CheckTrainer(), msg.TrainerChecked)
+        if all(m.alive for m in checked.values()):
+            return
+        closed = self._gather(ranks, msg.CloseTrainer(), msg.TrainerClosed)
+        self._trainer_generation += 1
+        start = msg.StartTrainer(self._trainer_generation, closed[ranks[0]].address)
+        self._gather(ranks, start, msg.TrainerStarted)
 
     # -------------------------------------------------------------- events
     def poll(self, until: float) -> list:

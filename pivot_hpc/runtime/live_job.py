@@ -79,7 +79,13 @@ class LiveBackend:
 
         world = TrainingWorld.of(cfg, self.lay.rank_of_gpu)
         return LiveCluster(
-            self.comm, self.lay, topology, source, world, tools_enabled=cfg.tools.enabled
+            self.comm,
+            self.lay,
+            topology,
+            source,
+            world,
+            tools_enabled=cfg.tools.enabled,
+            trainer_children=cfg.rl.trainer.process == "child",
         )
 
     def restore(self, cluster, rl) -> dict[str, Any]:

@@ -54,21 +54,6 @@ def _rendezvous(comm, cfg: Config, lay) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
 
 
-def _training_comm(comm, cfg: Config, lay):
-    """The training set's ranks as an MPI communicator, in torch-rank order, where the
-    training engine runs in child processes (`rl.trainer.process: child`: the set replaces
-    its children together, runtime/worker.py); None elsewhere. Collective over the world:
-    every rank calls it."""
-    if cfg.rl.trainer.process != "child":
-        return None
-    from mpi4py import MPI
-
-    base = [lay.rank_of_gpu(g) for g in sorted(cfg.training_gpus())]
-    rank = comm.Get_rank()
-    sub = comm.Split(0 if rank in base else MPI.UNDEFINED, base.index(rank) if rank in base else 0)
-    return None if sub == MPI.COMM_NULL else sub
-
-
 def _state_dict_loader(path: Path):
     """name -> tensor of a saved HF model (read once, only on host ranks that ask)."""
     cache: dict = {}
@@ -116,7 +101,6 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
             dirs = ensure_models(cfg.models, progress=True)
         dirs = comm.bcast(dirs, root=0)
         _rendezvous(comm, cfg, lay)
-        train_comm = _training_comm(comm, cfg, lay)
         from pivot_hpc.gps import GlobalParameterStorage, ModelSpec
         from pivot_hpc.runtime.elastic import run_optimizer_models
 
@@ -154,7 +138,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
             from pivot_hpc.runtime.worker import Worker
 
             world = TrainingWorld.of(cfg, lay.rank_of_gpu)
-            worker = Worker(comm, gps, cfg, dirs[0], dirs[1], world, train_comm)
+            worker = Worker(comm, gps, cfg, dirs[0], dirs[1], world)
             worker.yield_to_coordinator()
             worker.prepare()
             code = worker.serve()

@@ -83,7 +83,7 @@ class Train:
 @dataclass(frozen=True, slots=True)
 class FormGroups:
     """Elastic training: every rank that may train creates the data-parallel process groups
-    of a new step member set, in the order these arrive (runtime/elastic.py, StepGroups)."""
+    of a new step member set, in the order these arrive (engines/step_groups.py)."""
 
     members: tuple[int, ...]
 
@@ -116,6 +116,29 @@ class Restore:
     path: str
 
 
+# Trainer children (`rl.trainer.process: child`), before every step, save and restore, to
+# every rank that may train (runtime/live_cluster.py `_replace_lost_trainers`): is each
+# child alive; if one is not, all close theirs, then all start new ones in a new world.
+@dataclass(frozen=True, slots=True)
+class CheckTrainer:
+    """Reply whether this rank's trainer child lives (`TrainerChecked`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseTrainer:
+    """Close this rank's trainer child, dead or alive in a world that lost a member."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartTrainer:
+    """Start a new trainer child in the training world of `generation`, meeting at
+    `address` (host, port) across nodes (None: a file store on one node), refit from GPS
+    as this rank's role needs it."""
+
+    generation: int
+    address: tuple[str, int] | None
+
+
 @dataclass(frozen=True, slots=True)
 class Stop:
     """End the rank's loop; it exits with `code`."""
@@ -135,6 +158,9 @@ Command = (
     | Peek
     | Save
     | Restore
+    | CheckTrainer
+    | CloseTrainer
+    | StartTrainer
     | Stop
     | ToolCall  # to a host rank (runtime/host_tools.py)
 )
@@ -213,6 +239,24 @@ class Restored:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainerChecked:
+    alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerClosed:
+    """`address`: where the next world meets across nodes, found free by the first rank
+    that may train on its host (None from the others, and on one node)."""
+
+    address: tuple[str, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStarted:
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Stopped:
     """The worker's last message, after `Stop`: everything it sent before has arrived."""
 
@@ -248,6 +292,9 @@ Event = (
     | Peeked
     | Saved
     | Restored
+    | TrainerChecked
+    | TrainerClosed
+    | TrainerStarted
     | Stopped
     | EngineFailed
     | Failed

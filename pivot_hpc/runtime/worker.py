@@ -29,7 +29,6 @@ from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.decode_steps import DecodeSteps
 from pivot_hpc.runtime.elastic import (
     OPTIMIZER_MODELS,
-    StepGroups,
     TrainingWorld,
     publish_optimizer,
     read_optimizer,
@@ -44,9 +43,7 @@ ROLES = ("rollout", "reward")
 
 
 class Worker:
-    def __init__(
-        self, comm, gps, cfg, policy_dir, genrm_dir, world: TrainingWorld, train_comm=None
-    ) -> None:
+    def __init__(self, comm, gps, cfg, policy_dir, genrm_dir, world: TrainingWorld) -> None:
         self.comm = comm
         self.gps = gps
         self.cfg = cfg
@@ -56,13 +53,14 @@ class Worker:
         rank = comm.Get_rank()
         # a rank of an elastic extension slot: trains only in the steps it is taken for
         self.extension = rank in world.ranks and rank not in world.base
-        self.step_groups = StepGroups(world)
-        # rl.trainer.process: child — the training set's ranks (an MPI communicator, in
-        # torch-rank order), which replace their trainer children together (see
-        # _replace_lost_trainers); the generation names where each new set meets
-        self.train_comm = train_comm
+        self.step_groups = world.step_groups()
+        # rl.trainer.process: child — the training world's children are replaced together
+        # after a death (the coordinator's CheckTrainer/CloseTrainer/StartTrainer); the
+        # generation names where each new world meets, and the step member sets formed so
+        # far are formed again in it, in order (elastic training)
         self._trainer_generation = 0
         self._trainer_lost = False  # this rank's child died: reported, not yet replaced
+        self._formed: list[tuple[int, ...]] = []
         self.engines: dict[str, Any] = {}
         self.trainer: TrainEngine | None = None
         self.reference = None
@@ -228,23 +226,34 @@ class Worker:
                 engine.load_weights(tensors, version)
                 self.send(msg.WeightsLoaded(version, time.perf_counter() - t0))
             case msg.Train(step, batch, members):
-                self._replace_lost_trainers()
                 self.train(step, batch, members)
             case msg.FormGroups(members):
-                self.step_groups.form(members, self.comm.Get_rank())
+                if self._child_trainer:  # the groups live in the children's world
+                    self._formed.append(members)
+                    if not self._trainer_lost:  # (else formed with its replacement)
+                        self._trainer_process().form_groups(members)
+                else:
+                    self.step_groups.form(members, self.comm.Get_rank())
             case msg.PublishOptimizer(version):
-                rank = self.comm.Get_rank()
-                publish_optimizer(self.gps, self.trainer, rank, self.training_ranks[0], version)
+                if not self._child_trainer:  # (children publish theirs after every step)
+                    rank = self.comm.Get_rank()
+                    writer = self.training_ranks[0]
+                    publish_optimizer(self.gps, self.trainer, rank, writer, version)
             case msg.Peek():  # checkpoint: tokens of the running sequences, undisturbed
                 engine = self.engines.get(self.role) if self.role in ROLES and self.leader else None
                 self.send(msg.Peeked(self.role, engine.snapshot() if engine is not None else []))
             case msg.Save(path):
-                if path is not None:
-                    self._replace_lost_trainers()
                 self.save(path)
             case msg.Restore(path):
-                self._replace_lost_trainers()
                 self.restore(path)
+            case msg.CheckTrainer():
+                self.send(msg.TrainerChecked(not self._trainer_lost))
+            case msg.CloseTrainer():
+                self._trainer_process().close()
+                self._trainer_lost = True  # gone on purpose: no death to report
+                self.send(msg.TrainerClosed(self._next_world_address()))
+            case msg.StartTrainer(generation, address):
+                self._start_trainer(generation, address)
             case _:
                 raise ValueError(f"worker: unknown command {cmd!r}")
 
@@ -258,15 +267,15 @@ class Worker:
         phases: dict[str, float] = {}
         t0 = time.perf_counter()
         self.leader = leader  # (a non-leader's GPU serves the replica leader's engine)
-        if role == "training" and self.extension:  # joins: the set's policy and optimizer
+        if role == "training" and self._trainer_lost:
+            pass  # its replacement is refit as training (_start_trainer)
+        elif role == "training" and self.extension:  # joins: the set's policy and optimizer
             self.trainer.resume_memory()
             self._load_policy_to_train(version)
             phases["read_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             read_optimizer(self.gps, self.trainer, self.comm.Get_rank(), version)
             phases["reload_s"] = time.perf_counter() - t1
-        elif leader and role == "training" and self._trainer_lost:
-            pass  # its replacement is refit as training (_replace_lost_trainers)
         elif leader and role == "training":
             self.trainer.resume_memory()  # (released at shift down on a GPU)
             self.trainer.reload_optimizer()
@@ -312,13 +321,13 @@ class Worker:
         self._steps.reset()
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
-        if self.role == "training" and self.extension:  # the set keeps the state
+        if self.role == "training" and self._trainer_lost:
+            pass  # its replacement is refit shifted down (_start_trainer)
+        elif self.role == "training" and self.extension:  # the set keeps the state
             self.trainer.discard_optimizer()
             if self.trainer.device.type == "cuda":
                 self.trainer.release_memory()
             phases["discard_s"] = time.perf_counter() - t0
-        elif self.role == "training" and self._trainer_lost:
-            pass  # its replacement is refit shifted down (_replace_lost_trainers)
         elif self.role == "training":
             self.trainer.offload_optimizer()
             phases["offload_s"] = time.perf_counter() - t0
@@ -340,7 +349,9 @@ class Worker:
         # data parallelism: each DP rank trains on its share of the batch (advantages were
         # computed over whole groups by the coordinator); gradients are averaged over the
         # step's replicas (elastic training: the members it was sent with)
-        if members:
+        if members and self._child_trainer:
+            self._trainer_process().use_members(members)
+        elif members:
             self.trainer.use_data_parallel(*self.step_groups.of(members))
         dp, d = self.trainer.dp, self.trainer.dp_rank
         if dp > 1:
@@ -355,6 +366,7 @@ class Worker:
         metrics.setdefault("loss", metrics.get("pg_loss", float("nan")))
         if self.extension:  # the training set publishes; an extension only trains
             self.send(msg.Trained(step, {**metrics, "version": None}))
+            self._test_kill_trainer(step)
             return
         t0 = time.perf_counter()
         weights = self.trainer.export_weights()  # full canonical tensors (gathered over TP)
@@ -369,9 +381,13 @@ class Worker:
             self._publish_optimizer()
         metrics = {**metrics, "publish_s": time.perf_counter() - t0, "version": version}
         self.send(msg.Trained(step, metrics))
+        self._test_kill_trainer(step)
+
+    def _test_kill_trainer(self, step: int) -> None:
+        """The test hook (TEST_KILL_TRAINER_ENV): a trainer child's death between steps."""
         child = self._trainer_process()
         if child is not None and step in self.test_kill_trainer_after:
-            child.kill()  # the test hook: a death between steps
+            child.kill()
 
     # ---------------------------------------------------------- checkpoints
     def _rng_state(self) -> dict:
@@ -459,7 +475,7 @@ class Worker:
         # an engine process may die alone: its replica is then shifted down and restarted
         return GuardedEngine(engine) if isinstance(engine, ChildEngine) else engine
 
-    def _make_trainer(self) -> TrainEngine:
+    def _make_trainer(self, address: tuple[str, int] | None = None) -> TrainEngine:
         import os
 
         from pivot_hpc.engines.train_factory import make_train_engine
@@ -476,7 +492,9 @@ class Worker:
                 rl.trainer,
                 rl.grpo,
                 max_response_tokens=rl.max_response_tokens,
-                world_env=self._child_world_env(),
+                world=(self.world.ranks, self.world.tp),
+                rank=self.comm.Get_rank(),
+                world_env=self._child_world_env(address),
             )
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["RANK"] = str(self.world.torch_rank(self.comm.Get_rank()))
@@ -507,18 +525,16 @@ class Worker:
             writer = self.training_ranks[0]
             publish_optimizer(self.gps, self.trainer, rank, writer, self.trainer.version)
 
-    def _child_world_env(self) -> dict[str, str]:
-        """Where this generation of the training set's children meets (ChildTrainer's
-        `world_env`; collective over the training set). One child alone: its own private
-        store. On one node: a new file in the rank-0 private directory the ranks' own
-        rendezvous uses (runtime/main.py); across nodes: a TCP store on the first training
-        rank's host, on a port it finds free there for each generation (the last
-        generation's children are all gone by then: _replace_lost_trainers)."""
-        import socket
-
+    def _child_world_env(self, address: tuple[str, int] | None = None) -> dict[str, str]:
+        """Where this generation of the training world's children meets (ChildTrainer's
+        `world_env`). One child alone: its own private store. On one node: a new file in
+        the private directory of world rank 0 that the ranks' own rendezvous made
+        (runtime/main.py); across nodes: a TCP store on the first training rank's host, at
+        start where the rendezvous put it, later at `address` (a port found free there
+        for each generation: the last one's children are all gone by then)."""
         from pivot_hpc.engines.megatron_model import STORE_ENV
 
-        size = len(self.training_ranks)
+        size = len(self.world.ranks)
         if size == 1:
             return {}
         env = {
@@ -527,61 +543,75 @@ class Worker:
         }
         if os.environ.get(STORE_ENV):
             env[STORE_ENV] = f"{os.environ[STORE_ENV]}.trainers{self._trainer_generation}"
-            return env
-        offer = None
-        if self.train_comm.Get_rank() == 0:
-            with socket.socket() as sock:
-                sock.bind(("", 0))
-                offer = (socket.gethostname(), str(sock.getsockname()[1]))
-        env["MASTER_ADDR"], env["MASTER_PORT"] = self.train_comm.bcast(offer, root=0)
+        elif address is not None:
+            env["MASTER_ADDR"], env["MASTER_PORT"] = address[0], str(address[1])
+        else:
+            env["MASTER_ADDR"], env["MASTER_PORT"] = (
+                os.environ["MASTER_ADDR"],
+                os.environ["MASTER_PORT"],
+            )
         return env
+
+    def _next_world_address(self) -> tuple[str, int] | None:
+        """Across nodes, on the first rank that may train: a port free on its host for the
+        next world's store (`TrainerClosed`)."""
+        from pivot_hpc.engines.megatron_model import STORE_ENV
+
+        if os.environ.get(STORE_ENV) or self.comm.Get_rank() != self.world.ranks[0]:
+            return None
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return socket.gethostname(), sock.getsockname()[1]
 
     def _check_trainer(self) -> None:
         """A trainer child found dead between steps (the 0.5 s health check, or the start
         of a command) is reported to the coordinator (`EngineFailed`; it stops the job if
-        one dies again within deployment.engine_restart_window_s) and replaced at the
-        training set's next collective command (_replace_lost_trainers). Until then a
-        shift leaves it alone: the new child is refit as the shift would leave it. A death
-        inside a call (a step, a save) is the call's EngineProcessError: the rank fails
-        and the job stops, as it would with the trainer in the rank."""
+        one dies again within deployment.engine_restart_window_s). The coordinator asks
+        every rank that may train before the next step, save or restore, and has them all
+        replace their children then (runtime/live_cluster.py `_replace_lost_trainers`).
+        Until then a shift leaves this one alone: its replacement is refit as the shift
+        left the role. A death inside a call (a step, a save) is the call's
+        EngineProcessError: the rank fails and the job stops, as it would with the
+        trainer in the rank."""
         child = self._trainer_process()
         if child is None or self._trainer_lost or not child.dead:
             return
         self._trainer_lost = True
         self.send(msg.EngineFailed("training", str(child.death()), 0, 0, 0))
 
-    def _replace_lost_trainers(self) -> None:
-        """Before a command the training set runs together (a step, a checkpoint save or
-        restore): if any rank's trainer child died, every rank of the set replaces its own
-        with a new one, in a new world (a survivor's world has lost a member), refit from
-        GPS on the same GPU: the current policy and the optimizer state published with
-        it. A survivor's own state is that same state, so the set trains on exactly where
-        it was. Collective over the training set (all of them receive these commands, in
-        the same order)."""
-        if self.train_comm is None:
-            return
-        self._check_trainer()
-        if not self.train_comm.allreduce(self._trainer_lost, op=MPI.LOR):
-            return
-        self._trainer_process().close()  # dead, or alive in a world that lost a member
-        self.train_comm.Barrier()  # the last generation is gone before the next one meets
-        self._trainer_generation += 1
-        version = self.gps.version("policy")
-        have = {k: self.gps.version(OPTIMIZER_MODELS[k]) for k in ("exp_avg", "exp_avg_sq")}
-        if any(v != version for v in have.values()):
-            raise RuntimeError(
-                f"a training engine process died but GPS holds the optimizer state of "
-                f"{have}, not of policy v{version}: it cannot be restarted; run the same "
-                "command to resume from the last checkpoint"
-            )
-        self.trainer = self._make_trainer()
-        self._load_policy_to_train(version)
-        read_optimizer(self.gps, self.trainer, self.comm.Get_rank(), version, timeout_s=5.0)
-        self._trainer_lost = False
-        if self.role != "training":  # shifted down: as a shift-down leaves it
+    def _start_trainer(self, generation: int, address: tuple[str, int] | None) -> None:
+        """A new trainer child in the world of `generation` (every rank that may train
+        starts one at once, after all closed theirs), with the step groups formed so far,
+        refit from GPS as the role needs it: the current policy and the optimizer state
+        published with it on the training set, and on an extension that is training now;
+        an extension that is not reads them when it next joins, as always. A survivor's
+        own state was that same state (the set's gradients are averaged), so the world
+        trains on from exactly where it was."""
+        t0 = time.perf_counter()
+        self._trainer_generation = generation
+        self.trainer = self._make_trainer(address)
+        for members in self._formed:
+            self._trainer_process().form_groups(members)
+        training = self.role == "training"
+        if not self.extension or training:
+            version = self.gps.version("policy")
+            have = {k: self.gps.version(OPTIMIZER_MODELS[k]) for k in ("exp_avg", "exp_avg_sq")}
+            if any(v != version for v in have.values()):
+                raise RuntimeError(
+                    f"a training engine process died but GPS holds the optimizer state of "
+                    f"{have}, not of policy v{version}: it cannot be restarted; run the same "
+                    "command to resume from the last checkpoint"
+                )
+            self._load_policy_to_train(version)
+            read_optimizer(self.gps, self.trainer, self.comm.Get_rank(), version, timeout_s=5.0)
+        if not training:  # shifted down: as a shift-down (or, on an extension, start) leaves it
             self.trainer.offload_optimizer()
             if self.trainer.device.type == "cuda":
                 self.trainer.release_memory()
+        self._trainer_lost = False
+        self.send(msg.TrainerStarted(time.perf_counter() - t0))
 
 
 def _kill_steps(spec: str, rank: int) -> set[int]:

@@ -137,27 +137,16 @@ def check_live_config(cfg: Config) -> None:
 
 def check_trainer_process(cfg: Config) -> None:
     """`rl.trainer.process: child` (engines/child_engine.py `ChildTrainer`): the children
-    of the fixed training set make a torch.distributed world of their own, and replace
-    themselves together (runtime/worker.py); a world that changes members between steps
-    (elastic training) or a state sharded over them (the distributed optimizer) is not
-    built for it."""
+    of every rank that may train make a torch.distributed world of their own and are
+    replaced together (runtime/worker.py); a restarted child is refit from the optimizer
+    state the set publishes to GPS, which a state sharded over the ranks (the
+    distributed optimizer) is not."""
     tr = cfg.rl.trainer
-    if tr.process != "child":
-        return
-    from pivot_hpc.runtime.elastic import elastic_live
-
-    why = (
-        "planner.elastic_training=true"
-        if elastic_live(cfg)
-        else "rl.trainer.distributed_optimizer=true"
-        if tr.distributed_optimizer
-        else None
-    )
-    if why is not None:
+    if tr.process == "child" and tr.distributed_optimizer:
         raise LayoutError(
-            f"rl.trainer.process=child with {why}: training engines in child processes "
-            "train over a fixed training set with a full optimizer state per rank (no "
-            "elastic training, no distributed optimizer); use rl.trainer.process=in_rank"
+            "rl.trainer.process=child with rl.trainer.distributed_optimizer=true: training "
+            "engines in child processes are refit from a full optimizer state per rank "
+            "(no distributed optimizer); use rl.trainer.process=in_rank"
         )
 
 

@@ -79,10 +79,10 @@ def trainers(rank, comm, gps, world, arch, canonical) -> dict:
     from pivot_hpc.engines.base import TrainBatch
     from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
     from pivot_hpc.rl.config import TrainerConfig
-    from pivot_hpc.runtime.elastic import TP1, StepGroups, publish_optimizer, read_optimizer
+    from pivot_hpc.runtime.elastic import TP1, publish_optimizer, read_optimizer
     from pivot_hpc.runtime.worker import shard
 
-    groups = StepGroups(world)
+    groups = world.step_groups()
     formed: set = set()
     gen = torch.Generator().manual_seed(11)
 

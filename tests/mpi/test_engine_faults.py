@@ -253,24 +253,35 @@ TEST_KILL_TRAINER_ENV = "PIVOT_HPC_TEST_KILL_TRAINER_AFTER_STEP"
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("training_gpus", "killed_rank"),
+    ("overrides", "killed_rank"),
     # tiny.yaml: world rank 0 coordinates, workers 1-4 drive GPUs 0-3, training the last
-    # ones; with two, rank 3 (torch rank 0, the one that publishes to GPS) is killed
-    [(1, 4), (2, 3)],
-    ids=["one-training-rank", "two-training-ranks"],
+    # ones; with two, rank 3 (torch rank 0, the one that publishes to GPS) is killed.
+    # Elastic: the world spans every rank (extension slots), and the last step grows
+    # (free shifts, as tests/mpi/test_live_runtime.py pins them) in the new world.
+    [
+        (["training.num_gpus=1"], 4),
+        (["training.num_gpus=2"], 3),
+        (
+            [
+                "planner.elastic_training=true",
+                "planner.shift_time_s.training=0",
+                "planner.shift_time_s.rollout=0",
+                "planner.shift_time_s.reward=0",
+                "planner.refit_shift_time=false",
+            ],
+            4,
+        ),
+    ],
+    ids=["one-training-rank", "two-training-ranks", "elastic"],
 )
 def test_a_trainer_child_killed_between_steps_restarts_and_every_sample_trains_once(
-    tmp_path: Path, training_gpus: int, killed_rank: int
+    tmp_path: Path, overrides: list[str], killed_rank: int
 ) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     config = [c for c in CONFIG if not c.startswith("loop.steps=")]
     proc = start_job(
         run_command(
-            run_dir,
-            *config,
-            f"loop.steps={TRAIN_STEPS}",
-            "rl.trainer.process=child",
-            f"training.num_gpus={training_gpus}",
+            run_dir, *config, f"loop.steps={TRAIN_STEPS}", "rl.trainer.process=child", *overrides
         ),
         log,
         **{TEST_KILL_TRAINER_ENV: f"{KILLED_AFTER}@{killed_rank}"},
@@ -283,8 +294,7 @@ def test_a_trainer_child_killed_between_steps_restarts_and_every_sample_trains_o
     text = log.read_text()
     assert f"pivot-hpc: done: {TRAIN_STEPS} steps" in text, text[-3000:]
     assert f"training engine of rank {killed_rank}" in text, text[-3000:]
-    assert "was killed by signal 9" in text and "alloc RO=" in text, text[-3000:]
-    assert f"TR={training_gpus}" in text, text[-3000:]
+    assert "was killed by signal 9" in text, text[-3000:]
     r = open_run(run_dir)
     ids = r["trained"]["sample_id"]
     assert len(ids) == TRAIN_STEPS * PROMPTS * SAMPLES and len(np.unique(ids)) == len(ids)
@@ -296,6 +306,12 @@ def test_a_trainer_child_killed_between_steps_restarts_and_every_sample_trains_o
     failures = r["failures"]
     assert failures["role"].tolist() == ["training"], failures
     assert failures["action"].tolist() == ["restart"], failures
+    if "planner.elastic_training=true" in overrides:  # an extension joined a step
+        shifts = r["shifts"]
+        ext = np.char.startswith(shifts["replica"].astype(str), "training:")
+        assert (ext & (shifts["kind"] == "up")).any(), "no extension joined a step"
+    else:
+        assert r["allocation"]["training_gpus"].max() == int(overrides[0][-1])
     # died after step KILLED_AFTER's end, restarted before the next step ended
     ends = dict(zip(r["steps"]["step"].tolist(), r["steps"]["end"].tolist(), strict=True))
     assert ends[KILLED_AFTER] <= float(failures["t"][0]) < ends[KILLED_AFTER + 1], (ends, failures)
