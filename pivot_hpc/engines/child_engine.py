@@ -423,6 +423,14 @@ class ChildTrainer(_ChildProcess):
         state = {k: _on_cpu(v) for k, v in state.items()}
         self._call("load_optimizer_state", state, step=step, version=version)
 
+    def optimizer_shard(self) -> dict[str, Any]:
+        """The sharded optimizer's range this rank's child holds, on the host (the rank
+        keeps it: engines/megatron_engine.py `optimizer_shard`)."""
+        return self._call("optimizer_shard")
+
+    def load_optimizer_shard(self, shard: dict[str, Any], *, version: int) -> None:
+        self._call("load_optimizer_shard", shard, version=version)
+
     def save(self, path: Any) -> None:
         self._call("save", str(path))
 

@@ -33,6 +33,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -603,6 +604,25 @@ class MegatronTrainEngine:
                     **{k: shards[k][name].to(q.device, q.dtype, copy=True) for k in OPT_MOMENTS},
                 }
         self.steps = step
+        self.version = version
+
+    def optimizer_shard(self) -> dict[str, Any]:
+        """The sharded optimizer's state this rank holds (`rl.trainer.distributed_optimizer`:
+        its flat range [lo, hi) of every kind, on the host, and the AdamW step), for its
+        rank to keep while the engine runs in a child process (runtime/worker.py): what a
+        child started again after a death takes back (`load_optimizer_shard`)."""
+        if self._zero is None:
+            raise RuntimeError("optimizer_shard: the optimizer is not sharded")
+        lo, hi, step, state = self._zero.own_range()
+        return {"lo": lo, "hi": hi, "step": step, "state": state}
+
+    def load_optimizer_shard(self, shard: dict[str, Any], *, version: int) -> None:
+        """Hold `optimizer_shard`'s state again at policy `version` (parameters come from
+        `load_weights`; the masters of a bf16 model from the shard, exactly)."""
+        if self._zero is None:
+            raise RuntimeError("load_optimizer_shard: the optimizer is not sharded")
+        self._zero.restore_range(shard["lo"], shard["hi"], shard["step"], shard["state"])
+        self.steps = shard["step"]
         self.version = version
 
     def _load_sharded_state(self, state: dict[str, Tensors], step: int) -> None:

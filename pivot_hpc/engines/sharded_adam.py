@@ -157,6 +157,32 @@ class ShardedAdam:
         self.step_count = step
         self.offloaded = False
 
+    def own_range(self) -> tuple[int, int, int, dict[str, torch.Tensor] | None]:
+        """(lo, hi, step, state on the host) of what this rank holds (None: nothing)."""
+        state = None
+        if self.state is not None:
+            state = {k: t.detach().to("cpu", copy=True) for k, t in self.state.items()}
+        return self.lo, self.hi, self.step_count, state
+
+    def restore_range(
+        self, lo: int, hi: int, step: int, state: dict[str, torch.Tensor] | None
+    ) -> None:
+        """Hold again what `own_range` returned (a trainer process started anew, given
+        what its rank kept of the one that died). The owners stay as they are: the next
+        `regroup` (elastic training) agrees them from what every member holds."""
+        self.lo, self.hi = (lo, hi) if state is not None else (0, 0)
+        self.state = None
+        if state is not None:
+            self.state = {
+                k: state[k].to(self.device, torch.float32).contiguous() for k in self.kinds
+            }
+        if state is None:
+            self.me = None
+        elif (lo, hi) in self.owners.ranges:
+            self.me = self.owners.ranges.index((lo, hi))
+        self.step_count = step
+        self.offloaded = False
+
     def load_master(self, sources: dict[int, torch.Tensor]) -> None:
         """Masters of my range from full parameter tensors (`sources[index]`)."""
         if self.state is None or "master" not in self.state:

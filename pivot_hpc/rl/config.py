@@ -137,8 +137,8 @@ class TrainerConfig:
     # in a child process of each training rank (engines/child_engine.py `ChildTrainer`): a
     # death of one between steps replaces every training child on the same GPUs, refit
     # from GPS (the policy and the optimizer state, published after every step) — a
-    # death inside a step still stops the job (docs/engines.md). child: any
-    # training.num_gpus, tp and elastic training; not with the distributed optimizer.
+    # death inside a step still stops the job (docs/engines.md). Sharded optimizer: each
+    # rank keeps its child's range in its own memory (12 B/parameter over the DP size).
     process: Literal["in_rank", "child"] = "in_rank"
 
     def validate(self, path: str) -> None:

@@ -61,6 +61,8 @@ class Worker:
         self._trainer_generation = 0
         self._trainer_lost = False  # this rank's child died: reported, not yet replaced
         self._formed: list[tuple[int, ...]] = []
+        # sharded optimizer: (policy version, this rank's child's range) (_publish_optimizer)
+        self._optimizer_shard: tuple[int, dict] | None = None
         self.engines: dict[str, Any] = {}
         self.trainer: TrainEngine | None = None
         self.reference = None
@@ -516,12 +518,19 @@ class Worker:
         return self.trainer if isinstance(self.trainer, ChildTrainer) else None
 
     def _publish_optimizer(self) -> None:
-        """The trainer children's optimizer state to GPS at their policy version (after
-        each step, at start and after a restore): what restarted children read back.
-        Gathered over tensor parallelism by the training set's first replica; its first
-        rank writes."""
+        """The trainer children's optimizer state at their policy version (after each
+        step, at start and after a restore), where restarted children read it back: GPS,
+        gathered over tensor parallelism by the training set's first replica, its first
+        rank writing. Sharded (rl.trainer.distributed_optimizer): no rank holds the whole
+        state, and gathering it would undo the sharding; each rank of the training set
+        keeps its own child's range in its own memory instead (`_optimizer_shard`: the
+        rank outlives its child), 12 B per parameter over the data-parallel size."""
         rank = self.comm.Get_rank()
-        if rank in self.training_ranks[: self.world.tp]:
+        if self.cfg.rl.trainer.distributed_optimizer:
+            if not self.extension:  # (an extension owns no range)
+                shard = self._trainer_process().optimizer_shard()
+                self._optimizer_shard = (self.trainer.version, shard)
+        elif rank in self.training_ranks[: self.world.tp]:
             writer = self.training_ranks[0]
             publish_optimizer(self.gps, self.trainer, rank, writer, self.trainer.version)
 
@@ -595,9 +604,24 @@ class Worker:
         for members in self._formed:
             self._trainer_process().form_groups(members)
         training = self.role == "training"
-        if not self.extension or training:
-            version = self.gps.version("policy")
-            have = {k: self.gps.version(OPTIMIZER_MODELS[k]) for k in ("exp_avg", "exp_avg_sq")}
+        version = self.gps.version("policy")
+        if self.cfg.rl.trainer.distributed_optimizer and not self.extension:
+            kept = None if self._optimizer_shard is None else self._optimizer_shard[0]
+            if kept != version:
+                raise RuntimeError(
+                    f"a training engine process died but this rank kept its optimizer range "
+                    f"of policy v{kept}, not of v{version}: it cannot be restarted; run the "
+                    "same command to resume from the last checkpoint"
+                )
+            self._load_policy_to_train(version)
+            self._trainer_process().load_optimizer_shard(self._optimizer_shard[1], version=version)
+        elif not self.extension or training:
+            # (sharded: an extension training now holds no state, as when it joined)
+            have = {
+                k: self.gps.version(OPTIMIZER_MODELS[k])
+                for k in self.trainer.optimizer_kinds()
+                if k != "master"
+            }
             if any(v != version for v in have.values()):
                 raise RuntimeError(
                     f"a training engine process died but GPS holds the optimizer state of "

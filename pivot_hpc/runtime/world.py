@@ -122,7 +122,6 @@ def check_live_config(cfg: Config) -> None:
                 "for tensor-parallel replicas"
             )
     check_vllm_roles(cfg)
-    check_trainer_process(cfg)
     from pivot_hpc.rl.grpo import resolve_loss
 
     resolve_loss(cfg.rl.grpo.loss_fn)  # importable here; every rank imports it again
@@ -132,21 +131,6 @@ def check_live_config(cfg: Config) -> None:
             f"training.num_gpus={n_train} is not a multiple of rl.trainer.tp="
             f"{cfg.rl.trainer.tp}: training runs tp-way tensor parallelism × "
             "num_gpus/tp-way data parallelism; make num_gpus a multiple of tp"
-        )
-
-
-def check_trainer_process(cfg: Config) -> None:
-    """`rl.trainer.process: child` (engines/child_engine.py `ChildTrainer`): the children
-    of every rank that may train make a torch.distributed world of their own and are
-    replaced together (runtime/worker.py); a restarted child is refit from the optimizer
-    state the set publishes to GPS, which a state sharded over the ranks (the
-    distributed optimizer) is not."""
-    tr = cfg.rl.trainer
-    if tr.process == "child" and tr.distributed_optimizer:
-        raise LayoutError(
-            "rl.trainer.process=child with rl.trainer.distributed_optimizer=true: training "
-            "engines in child processes are refit from a full optimizer state per rank "
-            "(no distributed optimizer); use rl.trainer.process=in_rank"
         )
 
 

@@ -7,6 +7,7 @@ died. No MPI: each child makes a torch.distributed world of its own (fp32, CPU).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 
@@ -99,12 +100,12 @@ class Pair:
     driven from a thread of its own that lives as long as the pair (a child dies with the
     thread that started it), meeting through `store` as the worker's `world_env` has them."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, trainer: TrainerConfig = TRAINER) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.threads = [ThreadPoolExecutor(max_workers=1) for _ in range(2)]
         env = [{"RANK": str(r), "WORLD_SIZE": "2", "PIVOT_HPC_STORE": str(store)} for r in (0, 1)]
-        self.trainers = self.each(lambda r: ChildTrainer(ARCH, TRAINER, world_env=env[r]))
+        self.trainers = self.each(lambda r: ChildTrainer(ARCH, trainer, world_env=env[r]))
 
     def each(self, call) -> list:
         """call(rank) on both ranks at once (a collective needs both)."""
@@ -161,6 +162,50 @@ def test_a_two_rank_training_set_replaced_after_a_death_trains_like_one_that_nev
                 pair.close()
 
 
+@pytest.mark.timeout(300)
+def test_a_sharded_training_set_refit_from_the_ranges_its_ranks_kept_trains_alike(
+    tmp_path,
+) -> None:
+    """rl.trainer.distributed_optimizer: no rank holds the whole state, so each rank keeps
+    its own child's range (`optimizer_shard`, runtime/worker.py) and gives it back to the
+    child it starts after a death. The replaced set trains the next step bit for bit like
+    a set that lost nothing."""
+    sharded = dataclasses.replace(TRAINER, distributed_optimizer=True)
+    canonical = {k: v.clone() for k, v in create_model(ARCH, seed=5).state_dict().items()}
+    first, second = batch(1), batch(2)
+    pairs = []
+    try:
+        hit, steady = Pair(tmp_path / "hit.g0", sharded), Pair(tmp_path / "steady", sharded)
+        pairs += [hit, steady]
+        for pair in pairs:
+            pair.each(lambda r, p=pair: p.trainers[r].load_weights(canonical))
+        first.old_logprobs = hit.trainers[0].compute_logprobs(first, temperature=1.0)
+        for pair in pairs:
+            pair.train(first)
+        weights = hit.trainers[0].export_weights()
+        kept = hit.each(lambda r: hit.trainers[r].optimizer_shard())  # what each rank keeps
+        (lo0, hi0), (lo1, hi1) = [(k["lo"], k["hi"]) for k in kept]
+        assert lo0 == 0 < hi0 == lo1 < hi1 and all(k["step"] == 1 for k in kept)
+        os.kill(hit.trainers[1].pid, signal.SIGKILL)
+        hit.close()
+        new = Pair(tmp_path / "hit.g1", sharded)
+        pairs.append(new)
+        new.each(lambda r: new.trainers[r].load_weights(weights))
+        new.each(lambda r: new.trainers[r].load_optimizer_shard(kept[r], version=1))
+        assert [(t.version, t.steps, t.optimizer_step) for t in new.trainers] == [(1, 1, 1)] * 2
+        second.old_logprobs = steady.trainers[0].compute_logprobs(second, temperature=1.0)
+        assert new.train(second) == steady.train(second)
+        wn, ws = new.trainers[0].export_weights(), steady.trainers[0].export_weights()
+        assert all(torch.equal(wn[k], ws[k]) for k in ws)
+        sn, ss = (p.each(lambda r, p=p: p.trainers[r].optimizer_shard()) for p in (new, steady))
+        for a, b in zip(sn, ss, strict=True):
+            assert all(torch.equal(a["state"][k], b["state"][k]) for k in b["state"])
+    finally:
+        for pair in pairs:
+            with contextlib.suppress(Exception):
+                pair.close()
+
+
 @pytest.mark.timeout(120)
 def test_the_trainer_child_dies_with_its_rank(tmp_path) -> None:
     """PR_SET_PDEATHSIG: a rank that dies (SIGKILL: no close, no pipe EOF handling) takes
@@ -206,22 +251,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_child_is_refused_before_launch_with_the_distributed_optimizer() -> None:
+def test_child_is_accepted_for_every_training_layout() -> None:
     from pivot_hpc.config import load_config
-    from pivot_hpc.runtime.world import LayoutError, check_live_config
+    from pivot_hpc.runtime.world import check_live_config
 
-    base = ["rl.trainer.process=child"]
-    for ok in (
+    for layout in (
         [],
         ["training.num_gpus=2"],
         ["training.num_gpus=2", "rl.trainer.tp=2"],
         ["planner.elastic_training=true"],
+        ["training.num_gpus=2", "rl.trainer.distributed_optimizer=true"],
     ):
-        check_live_config(load_config("configs/tiny.yaml", [*base, *ok]))
-    override = "rl.trainer.distributed_optimizer=true"
-    cfg = load_config("configs/tiny.yaml", [*base, override])
-    with pytest.raises(LayoutError, match=f"rl.trainer.process=child with {override}: .*in_rank"):
-        check_live_config(cfg)
+        check_live_config(load_config("configs/tiny.yaml", ["rl.trainer.process=child", *layout]))
 
 
 def test_child_registers_the_optimizer_state_in_gps() -> None:

@@ -261,6 +261,8 @@ TEST_KILL_TRAINER_ENV = "PIVOT_HPC_TEST_KILL_TRAINER_AFTER_STEP"
     [
         (["training.num_gpus=1"], 4),
         (["training.num_gpus=2"], 3),
+        # sharded: each rank gives its new child the range it kept of the dead one's
+        (["training.num_gpus=2", "rl.trainer.distributed_optimizer=true"], 4),
         (
             [
                 "planner.elastic_training=true",
@@ -272,7 +274,7 @@ TEST_KILL_TRAINER_ENV = "PIVOT_HPC_TEST_KILL_TRAINER_AFTER_STEP"
             4,
         ),
     ],
-    ids=["one-training-rank", "two-training-ranks", "elastic"],
+    ids=["one-training-rank", "two-training-ranks", "sharded-optimizer", "elastic"],
 )
 def test_a_trainer_child_killed_between_steps_restarts_and_every_sample_trains_once(
     tmp_path: Path, overrides: list[str], killed_rank: int
