@@ -170,16 +170,16 @@ class ShardedAdam:
         """Hold again what `own_range` returned (a trainer process started anew, given
         what its rank kept of the one that died). The owners stay as they are: the next
         `regroup` (elastic training) agrees them from what every member holds."""
-        self.lo, self.hi = (lo, hi) if state is not None else (0, 0)
-        self.state = None
-        if state is not None:
+        if state is None:
+            self.lo = self.hi = 0
+            self.state = self.me = None
+        else:
+            self.lo, self.hi = lo, hi
             self.state = {
                 k: state[k].to(self.device, torch.float32).contiguous() for k in self.kinds
             }
-        if state is None:
-            self.me = None
-        elif (lo, hi) in self.owners.ranges:
-            self.me = self.owners.ranges.index((lo, hi))
+            if (lo, hi) in self.owners.ranges:
+                self.me = self.owners.ranges.index((lo, hi))
         self.step_count = step
         self.offloaded = False
 

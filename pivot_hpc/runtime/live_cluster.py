@@ -359,7 +359,8 @@ class LiveCluster:
         a command together (a step, a save, a restore): every rank that may train says
         whether its child lives. If one died (its rank reported it, or says so now) every
         rank closes its own, the survivors' too (their torch.distributed world lost a
-        member), then all start new ones in a new world, refit from GPS (runtime/worker.py).
+        member), then all start new ones in a new world, refit as the role needs
+        (runtime/worker.py `_start_trainer`).
         Asking first, rather than acting on the death reports alone, leaves no gap between
         a death and the next step's command for the step to fall into."""
         if not self.trainer_children:
