@@ -122,18 +122,23 @@ class Pair:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharded", [False, True], ids=["full-state", "sharded-optimizer"])
 def test_a_two_rank_training_set_replaced_after_a_death_trains_like_one_that_never_died(
-    tmp_path,
+    tmp_path, sharded: bool
 ) -> None:
     """What the worker does when one of two trainer children dies between steps
-    (runtime/worker.py `_replace_lost_trainers`): both are replaced, in a new world (the
-    survivor's lost a member), and refit from what the set published after the last step.
-    The next step then matches, bit for bit, a set that never lost a child."""
+    (runtime/worker.py `_start_trainer`): both are replaced, in a new world (the
+    survivor's lost a member), and refit from what was kept after the last step: the
+    state the set's first rank published (full: alike on both ranks, the gradients were
+    averaged), or with rl.trainer.distributed_optimizer each rank's own range
+    (`optimizer_shard`: no rank holds the whole state). The next step then matches, bit
+    for bit, a set that never lost a child."""
+    trainer = dataclasses.replace(TRAINER, distributed_optimizer=sharded)
     canonical = {k: v.clone() for k, v in create_model(ARCH, seed=5).state_dict().items()}
     first, second = batch(1), batch(2)
     pairs = []
     try:
-        hit, steady = Pair(tmp_path / "hit.g0"), Pair(tmp_path / "steady")
+        hit, steady = Pair(tmp_path / "hit.g0", trainer), Pair(tmp_path / "steady", trainer)
         pairs += [hit, steady]
         assert [(t.dp, t.dp_rank) for t in hit.trainers] == [(2, 0), (2, 1)]
         for pair in pairs:
@@ -141,65 +146,33 @@ def test_a_two_rank_training_set_replaced_after_a_death_trains_like_one_that_nev
         first.old_logprobs = hit.trainers[0].compute_logprobs(first, temperature=1.0)
         for pair in pairs:
             pair.train(first)
-        # published after the step by the set's first rank (optimizer state: full, alike
-        # on both ranks: the gradients were averaged)
         weights = hit.trainers[0].export_weights()
-        state = hit.trainers[0].optimizer_state()
+        if sharded:  # what each rank keeps
+            kept = hit.each(lambda r: hit.trainers[r].optimizer_shard())
+            (lo0, hi0), (lo1, hi1) = [(k["lo"], k["hi"]) for k in kept]
+            assert lo0 == 0 < hi0 == lo1 < hi1 and all(k["step"] == 1 for k in kept)
+        else:  # what the set's first rank publishes
+            state = hit.trainers[0].optimizer_state()
         os.kill(hit.trainers[1].pid, signal.SIGKILL)
         hit.close()  # the survivor too: its world lost a member
-        new = Pair(tmp_path / "hit.g1")
+        new = Pair(tmp_path / "hit.g1", trainer)
         pairs.append(new)
         new.each(lambda r: new.trainers[r].load_weights(weights))
-        new.each(lambda r: new.trainers[r].load_optimizer_state(state, step=1, version=1))
-        second.old_logprobs = steady.trainers[0].compute_logprobs(second, temperature=1.0)
-        assert new.train(second) == steady.train(second)
-        wn, ws = new.trainers[1].export_weights(), steady.trainers[1].export_weights()
-        assert all(torch.equal(wn[k], ws[k]) for k in ws)
-        assert not all(torch.equal(ws[k], weights[k]) for k in ws)  # trained at all
-    finally:
-        for pair in pairs:
-            with contextlib.suppress(Exception):
-                pair.close()
-
-
-@pytest.mark.timeout(300)
-def test_a_sharded_training_set_refit_from_the_ranges_its_ranks_kept_trains_alike(
-    tmp_path,
-) -> None:
-    """rl.trainer.distributed_optimizer: no rank holds the whole state, so each rank keeps
-    its own child's range (`optimizer_shard`, runtime/worker.py) and gives it back to the
-    child it starts after a death. The replaced set trains the next step bit for bit like
-    a set that lost nothing."""
-    sharded = dataclasses.replace(TRAINER, distributed_optimizer=True)
-    canonical = {k: v.clone() for k, v in create_model(ARCH, seed=5).state_dict().items()}
-    first, second = batch(1), batch(2)
-    pairs = []
-    try:
-        hit, steady = Pair(tmp_path / "hit.g0", sharded), Pair(tmp_path / "steady", sharded)
-        pairs += [hit, steady]
-        for pair in pairs:
-            pair.each(lambda r, p=pair: p.trainers[r].load_weights(canonical))
-        first.old_logprobs = hit.trainers[0].compute_logprobs(first, temperature=1.0)
-        for pair in pairs:
-            pair.train(first)
-        weights = hit.trainers[0].export_weights()
-        kept = hit.each(lambda r: hit.trainers[r].optimizer_shard())  # what each rank keeps
-        (lo0, hi0), (lo1, hi1) = [(k["lo"], k["hi"]) for k in kept]
-        assert lo0 == 0 < hi0 == lo1 < hi1 and all(k["step"] == 1 for k in kept)
-        os.kill(hit.trainers[1].pid, signal.SIGKILL)
-        hit.close()
-        new = Pair(tmp_path / "hit.g1", sharded)
-        pairs.append(new)
-        new.each(lambda r: new.trainers[r].load_weights(weights))
-        new.each(lambda r: new.trainers[r].load_optimizer_shard(kept[r], version=1))
+        if sharded:
+            new.each(lambda r: new.trainers[r].load_optimizer_shard(kept[r], version=1))
+        else:
+            new.each(lambda r: new.trainers[r].load_optimizer_state(state, step=1, version=1))
         assert [(t.version, t.steps, t.optimizer_step) for t in new.trainers] == [(1, 1, 1)] * 2
         second.old_logprobs = steady.trainers[0].compute_logprobs(second, temperature=1.0)
         assert new.train(second) == steady.train(second)
-        wn, ws = new.trainers[0].export_weights(), steady.trainers[0].export_weights()
-        assert all(torch.equal(wn[k], ws[k]) for k in ws)
-        sn, ss = (p.each(lambda r, p=p: p.trainers[r].optimizer_shard()) for p in (new, steady))
-        for a, b in zip(sn, ss, strict=True):
-            assert all(torch.equal(a["state"][k], b["state"][k]) for k in b["state"])
+        for r in (0, 1):
+            wn, ws = new.trainers[r].export_weights(), steady.trainers[r].export_weights()
+            assert all(torch.equal(wn[k], ws[k]) for k in ws)
+        assert not all(torch.equal(ws[k], weights[k]) for k in ws)  # trained at all
+        if sharded:
+            sn, ss = (p.each(lambda r, p=p: p.trainers[r].optimizer_shard()) for p in (new, steady))
+            for a, b in zip(sn, ss, strict=True):
+                assert all(torch.equal(a["state"][k], b["state"][k]) for k in b["state"])
     finally:
         for pair in pairs:
             with contextlib.suppress(Exception):
