@@ -28,8 +28,8 @@ def in_ci() -> bool:
 
 
 def require_vllm() -> None:
-    from pivot_hpc.engines.vllm_engine import VLLMUnavailable
-    from pivot_hpc.engines.vllm_launch import check_installed
+    from pivot_hpc.engines.vllm.engine import VLLMUnavailable
+    from pivot_hpc.engines.vllm.launch import check_installed
 
     try:
         check_installed("engines.<role>.engine")

@@ -42,7 +42,7 @@ def _timed(fn) -> tuple[float, object]:
 
 def run(args: argparse.Namespace) -> dict:
     from pivot_hpc.engines.base import SamplingParams
-    from pivot_hpc.engines.hf_engine import HFEngine, generate_all
+    from pivot_hpc.engines.hf.engine import HFEngine, generate_all
     from pivot_hpc.models.config import ModelConfig
     from pivot_hpc.models.qwen2 import create_model
 
@@ -152,8 +152,8 @@ def _start_vllm(args: argparse.Namespace, model, arch) -> tuple[object | None, d
     import tempfile
 
     from pivot_hpc.engines.config import InferenceEngineConfig
-    from pivot_hpc.engines.vllm_engine import load_vllm_api
-    from pivot_hpc.engines.vllm_launch import check_installed, make_vllm_engine
+    from pivot_hpc.engines.vllm.engine import load_vllm_api
+    from pivot_hpc.engines.vllm.launch import check_installed, make_vllm_engine
     from pivot_hpc.errors import PivotError
     from pivot_hpc.models.tokenizer import build_tokenizer
 

@@ -168,7 +168,7 @@ def _start_vllm(args: argparse.Namespace, model, model_dir: Path | None):
 
     from pivot_hpc.engines.config import InferenceEngineConfig
     from pivot_hpc.engines.profile import WARMUP_STEPS
-    from pivot_hpc.engines.vllm_launch import make_vllm_engine
+    from pivot_hpc.engines.vllm.launch import make_vllm_engine
 
     if model_dir is None:  # the random model: vLLM loads directories only
         from pivot_hpc.models.tokenizer import build_tokenizer

@@ -30,7 +30,7 @@ checks for every engine:
     close()                        free everything; the engine is unusable afterwards.
 
 TrainEngine — the training role; the whole contract the worker and elastic training
-(runtime/worker.py, runtime/elastic.py) use, built by `engines.train_factory` from
+(runtime/worker.py, runtime/training_world.py) use, built by `engines.factory` from
 `rl.trainer.engine`, checked by tests/unit/test_train_engine_contract.py (the runtime calls
 nothing else) and tests/engines/test_megatron_engine.py (the engine has all of it):
     load_weights(tensors)          canonical HF tensors → this rank's shard.
@@ -47,8 +47,24 @@ nothing else) and tests/engines/test_megatron_engine.py (the engine has all of i
     optimizer_kinds() / optimizer_state() / load_optimizer_state(state, step, version) /
         optimizer_step   the optimizer state as canonical tensors, for GPS (a joining
         replica reads it there).
+    optimizer_shard() / load_optimizer_shard(shard, version)   the sharded optimizer's
+        range of this rank, on the host (a rank keeps it for the trainer it restarts).
     save(dir) / load(dir)          distributed checkpoint (model + optimizer).
+    close()                        free the engine (a trainer child's process ends).
     version, steps, device         weights version, steps taken, where the model lives.
+
+What supervision adds (the runtime drives engines only through these, never probing):
+    SupervisedEngine = InferenceEngine + `failure` (EngineFailure | None: the engine's
+        process died; its kept tokens), `check()` (between calls: is the process still
+        there?) and `stream()` (refresh the tokens a death would keep). An engine in the
+        worker's own process cannot die alone (`InRank`: never fails); one in a child
+        process is guarded (engines/process/guard.py).
+    SupervisedTrainer = TrainEngine without `use_data_parallel` (its process groups live
+        where the engine runs) + `form_groups(members)` / `use_members(members)` (elastic
+        training's step groups, engines/step_groups.py), `dead` / `death()` / `kill()`
+        (a trainer child's life; a trainer in the rank is never dead).
+engines/factory.py builds both and decides where each runs (`engines.<role>.process`,
+`rl.trainer.process`).
 """
 
 from __future__ import annotations
@@ -62,6 +78,10 @@ import torch
 from pivot_hpc.rl.batch import TrainBatch  # the RL side owns the batch; engines train on it
 
 Tensors = dict[str, torch.Tensor]
+# The file the training world's ranks meet through on one node (set by the runtime,
+# runtime/training_world.py; read by the trainer's init_distributed; kept from an
+# inference engine's child): no TCP store listening on every interface, no port race.
+STORE_ENV = "PIVOT_HPC_STORE"
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -178,8 +198,49 @@ class InferenceEngine(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFailure:
+    """An inference engine whose process died (engines/process/guard.py)."""
+
+    cause: str  # the process's exit, as EngineProcessError words it
+    sequences: int  # unfinished sequences whose streamed tokens were kept
+    tokens_kept: int  # their generated tokens, as last streamed
+    tokens_lost: int  # decoded after the last refresh: generated again elsewhere
+
+
 @runtime_checkable
-class TrainEngine(Protocol):
+class Supervised(Protocol):
+    """What supervision adds to an engine: its death as data, never an exception."""
+
+    @property
+    def failure(self) -> EngineFailure | None: ...
+
+    def check(self) -> None: ...
+
+    def stream(self) -> None: ...
+
+
+@runtime_checkable
+class SupervisedEngine(InferenceEngine, Supervised, Protocol):
+    """The inference engine the worker drives (engines/factory.py builds it)."""
+
+
+class InRank:
+    """Supervision of an engine in the worker's own process: it cannot die alone (the rank
+    would die with it), so it never fails and has nothing to stream."""
+
+    failure: EngineFailure | None = None
+
+    def check(self) -> None:
+        pass
+
+    def stream(self) -> None:
+        pass
+
+
+class Trainer(Protocol):
+    """What every trainer has, wherever it runs (TrainEngine and SupervisedTrainer)."""
+
     version: int  # weights version (the policy version its weights are)
     steps: int  # optimizer steps taken
     device: Any  # torch.device the model lives on
@@ -210,8 +271,6 @@ class TrainEngine(Protocol):
     @property
     def memory_released(self) -> bool: ...
 
-    def use_data_parallel(self, group: Any, size: int, rank: int) -> None: ...
-
     def optimizer_kinds(self) -> tuple[str, ...]: ...
 
     def optimizer_state(self) -> dict[str, Tensors]: ...
@@ -223,6 +282,56 @@ class TrainEngine(Protocol):
     @property
     def optimizer_step(self) -> int: ...
 
+    def optimizer_shard(self) -> dict[str, Any]: ...
+
+    def load_optimizer_shard(self, shard: dict[str, Any], *, version: int) -> None: ...
+
     def save(self, path: str | Path) -> None: ...
 
     def load(self, path: str | Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class TrainEngine(Trainer, Protocol):
+    """A training engine (engines/megatron/engine.py), in the process that drives it."""
+
+    def use_data_parallel(self, group: Any, size: int, rank: int) -> None: ...
+
+
+@runtime_checkable
+class SupervisedTrainer(Trainer, Protocol):
+    """The trainer the worker's training seat drives (engines/factory.py `make_trainer`): a
+    TrainEngine where it runs — in the rank or in a child process — with elastic
+    training's step groups beside it and its process's life. Every TrainEngine member
+    except `use_data_parallel` (the groups live where the engine runs: `form_groups`,
+    then `use_members`)."""
+
+    def form_groups(self, members: tuple[int, ...]) -> None: ...
+
+    def use_members(self, members: tuple[int, ...]) -> None: ...
+
+    @property
+    def dead(self) -> bool: ...
+
+    def death(self) -> Exception: ...
+
+    def kill(self) -> None: ...
+
+
+def protocol_members(proto: type) -> dict[str, str]:
+    """name -> "method", "property" or "attribute" for every public member a protocol
+    declares, with its bases'."""
+    found: dict[str, str] = {}
+    for klass in reversed(proto.__mro__):
+        if klass in (object, Protocol) or klass.__module__ == "typing":
+            continue
+        for name in vars(klass).get("__annotations__", {}):
+            if not name.startswith("_"):
+                found.setdefault(name, "attribute")
+        for name, value in vars(klass).items():
+            if name.startswith("_"):
+                continue
+            found[name] = "property" if isinstance(value, property) else "method"
+    return found

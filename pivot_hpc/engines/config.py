@@ -8,7 +8,7 @@ from typing import Literal
 
 from pivot_hpc.errors import fail
 
-# ServerArgs the sglang adapter sets itself (pivot_hpc.engines.factory, sglang_launch); it
+# ServerArgs the sglang adapter sets itself (pivot_hpc.engines.factory, engines/sglang/launch.py); it
 # also relies on cumulative stream chunks and on a single scheduler (no data parallelism).
 # Placement (base_gpu_id 0 over the replica's CUDA_VISIBLE_DEVICES) and ports are per
 # replica, so a value in the config would be wrong for every replica but one.
@@ -35,7 +35,7 @@ SGLANG_OWNED_ARGS = frozenset(
     }
 )
 DEVICES = ("auto", "cpu", "cuda")
-# EngineArgs the vllm adapter sets itself (pivot_hpc.engines.vllm_launch): token ids in and
+# EngineArgs the vllm adapter sets itself (pivot_hpc.engines.vllm.launch): token ids in and
 # out, the KV cache sized from the role's kv_capacity_tokens, logprobs in the contract's
 # sense, one process (vLLM's engine core where the adapter runs), and the shared keys above.
 VLLM_OWNED_ARGS = frozenset(
@@ -63,7 +63,7 @@ VLLM_OWNED_ARGS = frozenset(
 class InferenceEngineConfig:
     """`hf` = the embedded continuous-batching engine (CPU, or the worker's GPU);
     `sglang` = the GPU production engine; `vllm` = vLLM 0.32, by default in a child process
-    of the worker rank (CPU build or CUDA build, pivot_hpc.engines.vllm_engine;
+    of the worker rank (CPU build or CUDA build, pivot_hpc.engines.vllm.engine;
     docs/engines.md).
 
     The shared keys reach vLLM as: max_batch → max_num_seqs, max_seq_len → max_model_len,
@@ -86,13 +86,13 @@ class InferenceEngineConfig:
     # hf and vllm: where the engine runs. in_rank = in the worker rank's own process; child
     # = in a child process of the rank, the shape production engines have (the job's stop
     # signals do not reach it, its death is one error for the rank, and vLLM there is
-    # apart from the training ranks' torch.distributed world: engines/child_engine.py);
+    # apart from the training ranks' torch.distributed world: engines/process/child.py);
     # auto = child for vllm, in_rank for hf (docs/engines.md). sglang: not used
     process: Literal["auto", "in_rank", "child"] = "auto"
     # A YAML file written by `pivot-hpc profile`; its fitted constants replace the role's
     # `throughput` section (see pivot_hpc.engines.profile.apply_profiles).
     throughput_profile: Path | None = None
-    # --- `sglang` only (pivot_hpc.engines.sglang_engine) ---
+    # --- `sglang` only (pivot_hpc.engines.sglang.engine) ---
     # Fraction of the GPU memory free at the engine's start that SGLang gives to weights +
     # KV pool; None = sized at each start from the memory actually free there, keeping
     # memory_reserve_gib for activations and CUDA graphs. The pool is further capped by the
@@ -118,12 +118,12 @@ class InferenceEngineConfig:
     # SGLang's watchdog kills its scheduler when one forward batch takes longer than this;
     # a large model's first batches and a paused weight update can (SGLang's default: 300).
     # An engine in a child process (`process: child`) that does not answer one call within
-    # this long is killed by its rank and handled as a dead engine (runtime/engine_guard.py).
+    # this long is killed by its rank and handled as a dead engine (engines/process/guard.py).
     watchdog_timeout_s: float = 1800.0
     # Extra SGLang ServerArgs (e.g. attention_backend, disable_cuda_graph, dtype); the
     # adapter owns the keys in SGLANG_OWNED_ARGS.
     server_args: dict[str, str | int | float | bool] = field(default_factory=dict)
-    # --- `vllm` only (pivot_hpc.engines.vllm_engine) ---
+    # --- `vllm` only (pivot_hpc.engines.vllm.engine) ---
     # Extra vLLM EngineArgs (e.g. dtype, block_size, enable_prefix_caching, enforce_eager,
     # gpu_memory_utilization); the adapter owns the keys in VLLM_OWNED_ARGS. Unset, dtype is
     # the model directory's, block_size 32 on CPU (the smallest its attention supports, so

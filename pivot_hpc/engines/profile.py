@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from pivot_hpc.engines.base import InferenceEngine, SamplingParams
-from pivot_hpc.engines.hf_engine import HFEngine
+from pivot_hpc.engines.hf.engine import HFEngine
 from pivot_hpc.scheduler.config import ThroughputConfig
 from pivot_hpc.scheduler.throughput import FitReport, evaluate_fit, fit_throughput_model
 

@@ -1,6 +1,6 @@
 """The data-parallel process groups of elastic training's step member sets
-(runtime/elastic.py): built in the worker rank's torch.distributed world, or in its
-trainer child's (`rl.trainer.process: child`, engines/child_engine.py), by the same code.
+(runtime/training_world.py): built in the worker rank's torch.distributed world, or in its
+trainer child's (`rl.trainer.process: child`, engines/process/child.py), by the same code.
 """
 
 from __future__ import annotations

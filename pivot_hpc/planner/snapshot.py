@@ -65,7 +65,7 @@ def extension_slots(
 ) -> dict[int, tuple[int, ...]]:
     """Elastic training's extension slots: every aligned group of `training_tp` GPUs that
     the training set does not touch (slot s = GPUs s·tp … s·tp+tp-1). The planner and the
-    live training world (runtime/elastic.py) both take them from here."""
+    live training world (runtime/training_world.py) both take them from here."""
     base = set(training_gpus)
     out = {}
     for s in range(num_gpus // training_tp):

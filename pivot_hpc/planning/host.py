@@ -8,7 +8,7 @@ Alignment and headers (64 B each) are left out.
 
 Beside GPS, on each node:
 - pinned: the optimizer state training offloads when it shifts down (page-locked copies,
-  engines/megatron_engine.py `offload_optimizer`), for every training GPU of the node;
+  engines/megatron/engine.py `offload_optimizer`), for every training GPU of the node;
 - Read staging: a shift-up Read lands in a host buffer of the whole model on each reader
   (SGLang replica leaders read the full model to host memory and hand it to SGLang in
   buckets; training ranks read the full policy to host memory and keep their TP shard),

@@ -202,7 +202,7 @@ def _gps_models(
     policy: ModelSpec, genrm: ModelSpec, nbytes: int, optimizer: bool, masters: bool
 ) -> tuple[tuple[str, float, int, bool], ...]:
     models = [("policy", policy.params, nbytes, True), ("genrm", genrm.params, nbytes, False)]
-    if optimizer:  # runtime/elastic.py: fp32 Adam moments (and masters), writable
+    if optimizer:  # runtime/training_world.py: fp32 Adam moments (and masters), writable
         kinds = ["exp_avg", "exp_avg_sq", *(["master"] if masters else [])]
         models += [(f"policy.{k}", policy.params, 4, True) for k in kinds]
     return tuple(models)

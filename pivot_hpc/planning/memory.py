@@ -1,6 +1,6 @@
 """Bytes on one GPU for each role: training, an inference engine, and a shift.
 
-Training (Megatron, as pivot_hpc/engines/megatron_engine.py builds it):
+Training (Megatron, as pivot_hpc/engines/megatron/engine.py builds it):
 - weights: parameters / tp × 2 B (bf16) or 4 B (fp32);
 - grads: the DDP grad buffer, fp32 (`grad_reduce_in_fp32=True`): 4 B/param;
 - optimizer: AdamW m and v in fp32 (8 B) + fp32 master weights when the parameters are
@@ -54,7 +54,7 @@ SGLANG_GRAPHS_GIB = 1.0
 FRAGMENTATION = 0.05
 
 BYTES = {"bf16": 2, "fp32": 4}
-GRAD_BYTES = 4  # grad_reduce_in_fp32=True (megatron_engine.py)
+GRAD_BYTES = 4  # grad_reduce_in_fp32=True (engines/megatron/engine.py)
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weights when the parameters are bf16
 STEP_TEMP_BYTES = 4  # foreach AdamW's √v temporary
@@ -276,7 +276,7 @@ def inference_memory(
         r.kv, r.kv_tokens = wanted, e.kv_capacity_tokens
         return r
     fraction = e.mem_fraction_static
-    if fraction is None:  # sized at start from the free memory (engines/sglang_launch.py)
+    if fraction is None:  # sized at start from the free memory (engines/sglang/launch.py)
         free = capacity - resident
         fraction = min(0.99, max(0.05, 1.0 - e.memory_reserve_gib * GIB / max(free, 1.0)))
     budget = fraction * capacity

@@ -31,7 +31,7 @@ from pivot_hpc.agentic.tools import Invocation, Refusal, build_registry, render
 from pivot_hpc.data.arithmetic import problems as make_problems
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams
-from pivot_hpc.engines.hf_engine import HFEngine, generate_all
+from pivot_hpc.engines.hf.engine import HFEngine, generate_all
 from pivot_hpc.models.tokenizer import decode_response, encode_prompt
 from pivot_hpc.rl.config import RewardConfig
 from pivot_hpc.rl.rewards import genrm_prompt, parse_genrm_score, verifiable_reward

@@ -142,7 +142,7 @@ def run_sft(
     progress: bool = True,
 ) -> list[float]:
     """Train `hf_model` in place through the Megatron engine; returns the loss curve."""
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
 
     engine = MegatronTrainEngine(
         arch,

@@ -126,7 +126,7 @@ class TrainerConfig:
     # kernel (flash / scaled_dot_product_attention) that never materialises them.
     attention: Literal["local", "sdpa"] = "local"
     # Shard the optimizer state (fp32 master weights + Adam moments, 12 B/param) over the
-    # data-parallel ranks (ZeRO-1, engines/sharded_adam.py; with elastic training over the
+    # data-parallel ranks (ZeRO-1, engines/megatron/sharded_adam.py; with elastic training over the
     # training set only: joining replicas own none); false = a full copy per rank.
     distributed_optimizer: bool = False
     # Activation recompute: "none" keeps every layer's activations for backward;
@@ -134,7 +134,7 @@ class TrainerConfig:
     # only each layer's input and re-runs the layer in backward (one more forward).
     recompute: Literal["none", "selective", "full"] = "none"
     # Where the training engine runs. in_rank = in the worker rank's own process; child =
-    # in a child process of each training rank (engines/child_engine.py `ChildTrainer`): a
+    # in a child process of each training rank (engines/process/child.py `ChildTrainer`): a
     # death of one between steps replaces every training child on the same GPUs, refit
     # from GPS (the policy and the optimizer state, published after every step) — a
     # death inside a step still stops the job (docs/engines.md). Sharded optimizer: each

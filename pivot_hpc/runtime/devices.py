@@ -15,7 +15,7 @@ What the launcher shows the rank decides how:
 
 An SGLang replica leader starts its engine over the replica's `tp` GPUs, which only it
 knows how to name: the node's list is kept in `PIVOT_HPC_NODE_GPUS` for
-`engines.sglang_launch.replica_gpus`
+`engines.sglang.launch.replica_gpus`
 (SGLang's scheduler processes inherit CUDA_VISIBLE_DEVICES from the leader at their
 start; veRL starts its servers the same way). With per-task binding there is no such list,
 and a tp > 1 replica cannot see its GPUs: that is refused by name.
@@ -28,7 +28,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pivot_hpc.engines.sglang_launch import NODE_GPUS_ENV
+from pivot_hpc.engines.sglang.launch import NODE_GPUS_ENV
 from pivot_hpc.errors import PlacementError
 
 # where each launcher puts the world rank (OpenMPI, PMIx, MPICH/PMI, srun)

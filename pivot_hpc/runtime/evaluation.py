@@ -54,20 +54,17 @@ def validation_problems(cfg, train: list[Problem]) -> list[Problem]:
 
 class Evaluator:
     def __init__(self, cfg, gps, policy_dir, tok, problems: list[Problem]) -> None:
-        from pivot_hpc.engines.hf_engine import HFEngine
-        from pivot_hpc.models.zoo import load_model
+        from pivot_hpc.engines.hf.engine import make_hf_engine
 
         self.cfg = cfg
         self.gps = gps
         self.tok = tok
         self.problems = problems
         self.prompts = [encode_prompt(tok, p.prompt, p.messages) for p in problems]
-        model, _ = load_model(policy_dir)
-        self.engine = HFEngine(
-            model,
+        self.engine = make_hf_engine(
+            str(policy_dir),
             kv_capacity_tokens=cfg.rollout.kv_capacity_tokens,
             max_batch=cfg.engines.rollout.max_batch,
-            eos_token_id=tok.eos_token_id,
             num_threads=1,
         )
         self.sampling = SamplingParams(
@@ -87,7 +84,7 @@ class Evaluator:
         return bool(self.problems) and every > 0 and version % every == 0
 
     def run(self) -> Evaluation:
-        from pivot_hpc.engines.hf_engine import generate_all
+        from pivot_hpc.engines.hf.engine import generate_all
         from pivot_hpc.gps import Parallelism
 
         t0 = time.perf_counter()

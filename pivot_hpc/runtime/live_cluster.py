@@ -5,7 +5,7 @@ Replica "<role>:<slot>" with tp GPUs maps to the worker ranks of those GPUs; its
 rank (the leader) runs the replica's engine and gets its sequences (the `hf` engine has
 tp = 1; an `sglang` engine spans the replica's GPUs). "training" is the fixed training set;
 with elastic training "training:<slot>" is an extension that joins the steps it is held
-for (its ranks read the set's optimizer state from GPS, runtime/elastic.py).
+for (its ranks read the set's optimizer state from GPS, runtime/training_world.py).
 
 Tool calls (tools.enabled, coordinator/turns.py) go to the sandbox service of a node: the
 node with the fewest calls outstanding (ties: the lowest), leaving out nodes whose service
@@ -38,8 +38,8 @@ from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.errors import PivotError
 from pivot_hpc.planner.snapshot import TRAINING, Topology, role_of, slot_of
 from pivot_hpc.runtime import protocol as msg
-from pivot_hpc.runtime.elastic import TrainingWorld
 from pivot_hpc.runtime.protocol import CMD, EVT
+from pivot_hpc.runtime.training_world import TrainingWorld
 from pivot_hpc.runtime.world import Layout
 
 
@@ -59,7 +59,7 @@ class LiveCluster:
         trainer_children: bool = False,
     ) -> None:
         self.comm = comm
-        self.world = world  # the ranks that may train (runtime/elastic.py)
+        self.world = world  # the ranks that may train (runtime/training_world.py)
         # rl.trainer.process: child — their children are checked before every step, save
         # and restore, and replaced together after a death (_replace_lost_trainers)
         self.trainer_children = trainer_children

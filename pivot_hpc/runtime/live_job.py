@@ -74,8 +74,8 @@ class LiveBackend:
         return self.live_samples, self.live_samples.reward
 
     def cluster(self, cfg: Config, topology, source):
-        from pivot_hpc.runtime.elastic import TrainingWorld
         from pivot_hpc.runtime.live_cluster import LiveCluster
+        from pivot_hpc.runtime.training_world import TrainingWorld
 
         world = TrainingWorld.of(cfg, self.lay.rank_of_gpu)
         return LiveCluster(

@@ -15,8 +15,6 @@ each rank loads only what its part needs (a host rank never builds an engine).
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -27,31 +25,6 @@ from pivot_hpc.errors import PivotError
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.library_noise import route_to_log
 from pivot_hpc.runtime.world import check_launch, layout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _rendezvous(comm, cfg: Config, lay) -> None:
-    """How the training ranks' torch.distributed world meets. On one node: through a file
-    in a private directory of world rank 0's (no TCP store listening on every interface,
-    no port race), and gloo/NCCL sockets on loopback. Across nodes: a TCP store on the
-    host of the first training rank (it hosts the store), by host name, on a port that rank
-    found free on its own host."""
-    from pivot_hpc.engines.megatron_model import STORE_ENV, private_store
-
-    if cfg.cluster.nodes == 1:
-        os.environ[STORE_ENV] = comm.bcast(private_store() if comm.Get_rank() == 0 else None)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        return
-    master = lay.rank_of_gpu(cfg.training_gpus()[0])  # its RANK 0
-    offer = (socket.gethostname(), _free_port()) if comm.Get_rank() == master else None
-    host, port = comm.bcast(offer, root=master)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
 
 
 def _state_dict_loader(path: Path):
@@ -100,9 +73,11 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
 
             dirs = ensure_models(cfg.models, progress=True)
         dirs = comm.bcast(dirs, root=0)
-        _rendezvous(comm, cfg, lay)
+        from pivot_hpc.runtime.training_world import rendezvous
+
+        rendezvous(comm, cfg, lay)
         from pivot_hpc.gps import GlobalParameterStorage, ModelSpec
-        from pivot_hpc.runtime.elastic import run_optimizer_models
+        from pivot_hpc.runtime.training_world import run_optimizer_models
 
         policy = ModelSpec.from_hf_config(dirs[0], name="policy")
         gps = GlobalParameterStorage(
@@ -134,7 +109,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
 
             code = serve_host(comm, cfg)
         else:
-            from pivot_hpc.runtime.elastic import TrainingWorld
+            from pivot_hpc.runtime.training_world import TrainingWorld
             from pivot_hpc.runtime.worker import Worker
 
             world = TrainingWorld.of(cfg, lay.rank_of_gpu)

@@ -91,7 +91,7 @@ class FormGroups:
 @dataclass(frozen=True, slots=True)
 class PublishOptimizer:
     """Elastic training: the training set's first replica writes its optimizer state to
-    GPS at policy `version`, for extensions about to join (runtime/elastic.py)."""
+    GPS at policy `version`, for extensions about to join (runtime/training_world.py)."""
 
     version: int
 
@@ -263,7 +263,7 @@ class Stopped:
 
 @dataclass(frozen=True, slots=True)
 class EngineFailed:
-    """The worker's engine process died while serving (runtime/engine_guard.py); the worker
+    """The worker's engine process died while serving (engines/process/guard.py); the worker
     lives on and answers aborts with the tokens it kept. `tokens_lost`: decoded after the
     last refresh (an upper bound), to be generated again. `role`: the engine's role (an
     idle role's engine may die too: nothing of it runs)."""

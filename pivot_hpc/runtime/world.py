@@ -135,15 +135,15 @@ def check_live_config(cfg: Config) -> None:
 
 
 def check_vllm_roles(cfg: Config) -> None:
-    """`engines.<role>.engine: vllm` (engines/vllm_launch.py): installed, on one device, and,
+    """`engines.<role>.engine: vllm` (engines/vllm/launch.py): installed, on one device, and,
     where vLLM runs in the worker rank's process (`process: in_rank`), beside a
     torch.distributed world of one rank (vLLM builds its groups over the whole default
     group; in a child process it has its own)."""
     roles = [r for r in ("rollout", "reward") if getattr(cfg.engines, r).engine == "vllm"]
     if not roles:
         return
-    from pivot_hpc.engines.vllm_launch import check_installed
-    from pivot_hpc.runtime.elastic import TrainingWorld
+    from pivot_hpc.engines.vllm.launch import check_installed
+    from pivot_hpc.runtime.training_world import TrainingWorld
 
     for role in roles:
         check_installed(f"engines.{role}.engine")

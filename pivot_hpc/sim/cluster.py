@@ -25,7 +25,7 @@ shards over every node of its set; they rarely meet an inference read on a node)
 
 Engine deaths (`sim.failures`, sim/failures.py) strike GPUs at random; one on a GPU serving
 an inference replica kills its engine. As the live engine guard does
-(runtime/engine_guard.py), the dead replica decodes nothing more, keeps each sequence's
+(engines/process/guard.py), the dead replica decodes nothing more, keeps each sequence's
 tokens as of its last refresh (REFRESH_S: what was decoded since is lost and generated
 again), answers the coordinator's aborts with them, and takes sequences dispatched to it
 before the death is heard with the tokens they came with. The coordinator's `on_failure`

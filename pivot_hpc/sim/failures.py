@@ -9,7 +9,7 @@ meets the same deaths at the same times on the same GPUs (common random numbers)
 bench's difference between modes is the modes', not the dice's.
 
 What a death costs is SimCluster's (sim/cluster.py): the dead replica's sequences keep the
-tokens streamed up to its engine guard's last refresh (runtime/engine_guard.py), so each
+tokens streamed up to its engine guard's last refresh (engines/process/guard.py), so each
 loses what it decoded since then; the coordinator's own recovery (coordinator/shifts.py,
 `on_failure`) does the rest. A death on a GPU that training holds restarts the training
 engine between steps and stops the job inside one (SimCluster `_training_death`); a job

@@ -21,7 +21,7 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     torch.set_num_threads(1)
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
     from pivot_hpc.models.qwen2 import create_model
     from pivot_hpc.rl.config import TrainerConfig
     from tests.tiny_arch import tiny_arch

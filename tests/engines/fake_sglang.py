@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from pivot_hpc.engines.config import InferenceEngineConfig
-from pivot_hpc.engines.factory import make_sglang_engine
-from pivot_hpc.engines.sglang_engine import SGLangAPI, SGLangEngine
+from pivot_hpc.engines.sglang.engine import SGLangAPI, SGLangEngine
+from pivot_hpc.engines.sglang.launch import make_sglang_engine
 from pivot_hpc.runtime import stop
 
 VOCAB = 50
@@ -60,7 +60,7 @@ class FakeNode:
         self.ports_in_use: set[int] = set()
 
     def free_memory(self, visible: str | None) -> list[int]:
-        """Stands in for sglang_launch.free_gpu_bytes (NVML)."""
+        """Stands in for engines/sglang/launch.py free_gpu_bytes (NVML)."""
         ids = visible.split(",") if visible else list(self.free)
         return [self.free[i] for i in ids]
 

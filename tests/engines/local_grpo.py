@@ -20,7 +20,7 @@ import torch
 
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams, TrainBatch
-from pivot_hpc.engines.hf_engine import HFEngine, generate_all
+from pivot_hpc.engines.hf.engine import HFEngine, generate_all
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.models.qwen2 import model_config_of
 from pivot_hpc.models.tokenizer import decode_response, encode_prompt
@@ -104,7 +104,7 @@ class LocalGRPO:
     def __init__(
         self, policy, genrm, tok, cfg: RLConfig | None = None, arch: ModelConfig | None = None
     ):
-        from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+        from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
 
         self.cfg = cfg or RLConfig()
         # genrm=None: verifiable reward only (needs rl.reward.genrm_weight 0)

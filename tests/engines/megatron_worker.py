@@ -23,7 +23,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from pivot_hpc.engines.base import TrainBatch
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
     from pivot_hpc.models.qwen2 import create_model
     from pivot_hpc.rl.config import TrainerConfig
     from tests.tiny_arch import tiny_arch
@@ -202,7 +202,7 @@ def loss_mask_checks(arch, tp, canonical, hf, prompts, responses, lps) -> dict:
     import torch
 
     from pivot_hpc.engines.base import TrainBatch
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
     from pivot_hpc.rl.config import GRPOConfig, TrainerConfig
     from pivot_hpc.rl.grpo import ppo_clip_loss
 

@@ -3,7 +3,7 @@ subprocess; env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; world size = DP siz
 
 usage: sharded_worker.py OUT_DIR MODE
 - MODE=dp2: the sharded optimizer against the unsharded one (same init, same batches, fp32
-  and bf16); offload; the re-partitioning of sharded_adam.py point to point; checkpoints in
+  and bf16); offload; the re-partitioning of engines/megatron/sharded_adam.py point to point; checkpoints in
   either format loaded by the other optimizer; a DP-2 checkpoint for MODE=dp1.
 - MODE=dp1: loads the DP-2 checkpoint at DP 1, trains a step, saves a DP-1 checkpoint.
 - MODE=dp2load: loads that DP-1 checkpoint at DP 2.
@@ -29,10 +29,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from pivot_hpc.engines.base import TrainBatch
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
     from pivot_hpc.models.qwen2 import create_model
     from pivot_hpc.rl.config import TrainerConfig
-    from pivot_hpc.runtime.worker import shard
+    from pivot_hpc.runtime.training_seat import shard
     from tests.tiny_arch import tiny_arch
 
     out, mode = Path(sys.argv[1]), sys.argv[2]
@@ -234,7 +234,7 @@ def repartition(rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from pivot_hpc.engines.sharded_adam import KINDS, ShardedAdam
+    from pivot_hpc.engines.megatron.sharded_adam import KINDS, ShardedAdam
 
     numels = [30, 45, 25]  # 100 elements
     params = [torch.zeros(n) for n in numels]

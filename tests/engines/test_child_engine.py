@@ -12,8 +12,8 @@ import time
 import pytest
 
 from pivot_hpc.engines.base import InferenceEngine, SamplingParams
-from pivot_hpc.engines.child_engine import ChildEngine, EngineProcessError
-from pivot_hpc.engines.hf_engine import HFEngine
+from pivot_hpc.engines.hf.engine import HFEngine
+from pivot_hpc.engines.process.child import ChildEngine, EngineProcessError
 
 from .test_engine_conformance import PROMPTS, drain
 
@@ -83,7 +83,7 @@ def test_children_a_library_spawns_inside_shielded_ignore_the_jobs_signals() -> 
     children: started inside `shielded()` they outlive a USR1/TERM; outside, they die."""
     import multiprocessing
 
-    from pivot_hpc.engines.job_signals import shielded
+    from pivot_hpc.engines.process.job_signals import shielded
 
     ctx = multiprocessing.get_context("spawn")
     with shielded():

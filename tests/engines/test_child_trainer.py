@@ -1,5 +1,5 @@
 """The training engine in a child process of its rank (`rl.trainer.process: child`,
-engines/child_engine.py `ChildTrainer`): a child SIGKILLed between steps is one clear
+engines/process/child.py `ChildTrainer`): a child SIGKILLed between steps is one clear
 error at the next call, and a fresh child given the dead one's weights and optimizer state
 (what the worker reads back from GPS) trains the next step bit for bit like one that never
 died. No MPI: each child makes a torch.distributed world of its own (fp32, CPU)."""
@@ -14,8 +14,8 @@ import signal
 import pytest
 import torch
 
-from pivot_hpc.engines.base import TrainBatch, TrainEngine
-from pivot_hpc.engines.child_engine import ChildTrainer, EngineProcessError
+from pivot_hpc.engines.base import SupervisedTrainer, TrainBatch
+from pivot_hpc.engines.process.child import ChildTrainer, EngineProcessError
 from pivot_hpc.models.qwen2 import create_model
 from pivot_hpc.rl.config import TrainerConfig
 from tests.tiny_arch import tiny_arch
@@ -43,7 +43,7 @@ def test_a_restarted_trainer_refit_from_weights_and_optimizer_state_trains_alike
     a, b = trainer(), trainer()
     fresh = None
     try:
-        assert isinstance(a, TrainEngine)  # every member of the contract
+        assert isinstance(a, SupervisedTrainer)  # every member of the contract
         assert a.device == torch.device("cpu") and (a.dp, a.dp_rank) == (1, 0)
         first = batch(1)
         for t in (a, b):
@@ -190,7 +190,7 @@ def test_the_trainer_child_dies_with_its_rank(tmp_path) -> None:
     pid_file = tmp_path / "child.pid"
     code = (
         "import sys, time\n"
-        "from pivot_hpc.engines.child_engine import ChildTrainer\n"
+        "from pivot_hpc.engines.process.child import ChildTrainer\n"
         "from pivot_hpc.rl.config import TrainerConfig\n"
         "from tests.tiny_arch import tiny_arch\n"
         "t = ChildTrainer(tiny_arch(), TrainerConfig(dtype='fp32'))\n"
@@ -242,7 +242,7 @@ def test_child_registers_the_optimizer_state_in_gps() -> None:
     """What a restarted child reads back: the elastic path's optimizer-state models."""
     from pivot_hpc.config import load_config
     from pivot_hpc.gps import ModelSpec
-    from pivot_hpc.runtime.elastic import OPTIMIZER_MODELS, run_optimizer_models
+    from pivot_hpc.runtime.training_world import OPTIMIZER_MODELS, run_optimizer_models
 
     policy = ModelSpec.from_hf_config(create_model(ARCH, seed=0).config.to_dict(), name="policy")
     for process, want in (("in_rank", set()), ("child", set(OPTIMIZER_MODELS.values()))):

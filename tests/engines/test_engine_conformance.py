@@ -1,6 +1,7 @@
 """One conformance suite over every InferenceEngine: the `hf` engine (a tiny random Qwen2),
-the `sglang` adapter over the fake SGLang (tests/engines/fake_sglang.py), and the `vllm`
-adapter over real vLLM (the CPU build; tests/vllm_support.py: a failure in CI when vLLM is
+the `sglang` adapter over the fake SGLang (tests/engines/fake_sglang.py), the `hf` engine
+in a guarded child process (`hf-child`: GuardedEngine over ChildEngine, as the worker
+drives it), and the `vllm` adapter over real vLLM (the CPU build; tests/vllm_support.py: a failure in CI when vLLM is
 missing), both in this process (`vllm`) and in a child process (`vllm-child`, vLLM's
 default `engines.<role>.process`: every call crosses the pipe). One vLLM engine of each
 kind serves the whole module: each test gets a fresh adapter over the in-process one, and
@@ -21,10 +22,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pivot_hpc.engines.base import InferenceEngine, SamplingParams
+from pivot_hpc.engines.base import InferenceEngine, SamplingParams, SupervisedEngine
 from pivot_hpc.engines.config import InferenceEngineConfig
 from pivot_hpc.engines.factory import make_inference_engine
-from pivot_hpc.engines.hf_engine import HFEngine
+from pivot_hpc.engines.hf.engine import HFEngine
+from pivot_hpc.engines.process.guard import GuardedEngine
 from pivot_hpc.errors import PivotError
 from pivot_hpc.models.qwen2 import create_model
 from pivot_hpc.models.tokenizer import build_tokenizer
@@ -93,12 +95,37 @@ def vllm_child(tmp_path_factory):
     require_vllm()
     from safetensors.torch import load_file
 
-    from pivot_hpc.engines.child_engine import ChildEngine
+    from pivot_hpc.engines.process.child import ChildEngine
 
     d = vllm_model_dir(tmp_path_factory.mktemp("vllm-child"))
     child = make_inference_engine(_vllm_cfg("child"), "rollout", d, seed=0)
-    assert isinstance(child, ChildEngine) and isinstance(child, InferenceEngine)
+    assert isinstance(child, GuardedEngine) and isinstance(child.engine, ChildEngine)
+    assert isinstance(child, SupervisedEngine)
     yield child, load_file(str(d / "model.safetensors"))
+    child.close()
+
+
+@pytest.fixture(scope="module")
+def hf_child(tiny_model, tmp_path_factory):
+    """One hf engine in a child process for the module, as the worker drives it: a
+    GuardedEngine (engines/process/guard.py) over the child."""
+    from pivot_hpc.engines.process.child import ChildEngine
+
+    d = tmp_path_factory.mktemp("hf-child")
+    tiny_model.save_pretrained(d)
+    build_tokenizer().save_pretrained(d)
+    cfg = SimpleNamespace(
+        engines=SimpleNamespace(
+            rollout=InferenceEngineConfig(
+                engine="hf", max_batch=8, max_seq_len=256, process="child"
+            )
+        ),
+        rollout=SimpleNamespace(tp=1, kv_capacity_tokens=KV),
+    )
+    child = make_inference_engine(cfg, "rollout", d, seed=0)
+    assert isinstance(child, GuardedEngine) and isinstance(child.engine, ChildEngine)
+    assert isinstance(child, SupervisedEngine)
+    yield child, {k: v.clone() for k, v in tiny_model.state_dict().items()}
     child.close()
 
 
@@ -125,7 +152,7 @@ class KeptChild:
 
 def fresh_vllm_adapter(base):
     """A new adapter over the module's engine, as a just-started one would be."""
-    from pivot_hpc.engines.vllm_engine import VLLMEngine
+    from pivot_hpc.engines.vllm.engine import VLLMEngine
 
     return VLLMEngine(
         base.engine,
@@ -146,12 +173,13 @@ def fresh_vllm_adapter(base):
         "sglang",
         pytest.param("vllm", marks=pytest.mark.slow),  # import and start of vLLM: 10-25 s
         pytest.param("vllm-child", marks=pytest.mark.slow),
+        pytest.param("hf-child", marks=pytest.mark.slow),  # a guarded engine process
     ]
 )
 def h(request, tiny_model, tmp_path):
-    if request.param == "vllm-child":
-        child, state = request.getfixturevalue("vllm_child")
-        yield Harness("vllm-child", KeptChild(child), lambda: state)
+    if request.param in ("vllm-child", "hf-child"):
+        child, state = request.getfixturevalue(request.param.replace("-", "_"))
+        yield Harness(request.param, KeptChild(child), lambda: state)
         child.abort_all()
         child.resume_memory()  # a test that released memory and stopped there
         child.load_weights(state, 0)  # (released weights have no contents)
@@ -181,6 +209,7 @@ def unleash(h: Harness) -> None:
 
 def test_protocol(h):
     assert isinstance(h.engine, InferenceEngine)
+    assert isinstance(h.engine, SupervisedEngine) or h.kind.endswith("-child")  # (KeptChild)
     assert h.engine.weights_device == "cpu"  # on this machine
 
 

@@ -1,4 +1,4 @@
-"""An engine process that dies leaves a dead engine, not a dead rank (runtime/engine_guard.py):
+"""An engine process that dies leaves a dead engine, not a dead rank (engines/process/guard.py):
 its sequences keep the tokens streamed before the death, its aborts answer with them, and
 a death between calls is found by the health check."""
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from pivot_hpc.engines.child_engine import ChildEngine
-from pivot_hpc.runtime.engine_guard import GuardedEngine
+from pivot_hpc.engines.process.child import ChildEngine
+from pivot_hpc.engines.process.guard import GuardedEngine
 
 from .test_child_engine import ARGS, greedy
 from .test_engine_conformance import PROMPTS
@@ -44,8 +44,8 @@ def test_a_killed_engine_keeps_the_streamed_tokens_and_counts_what_is_lost(hf_mo
         assert streamed[1][:2] == [7, 8] and len(streamed[1]) == len(streamed[0]) + 2 > 2
         for _ in range(3):
             eng.step()
-        os.kill(eng.pid, signal.SIGKILL)
-        wait_gone(eng.pid)
+        os.kill(eng.engine.pid, signal.SIGKILL)
+        wait_gone(eng.engine.pid)
         assert eng.step() == [] and eng.dead and not eng.has_unfinished()
         f = eng.failure
         assert "killed by signal 9" in f.cause and f.sequences == 2
@@ -68,8 +68,8 @@ def test_a_death_between_calls_is_found_by_the_health_check(hf_model_dir) -> Non
     try:
         eng.check()
         assert not eng.dead
-        os.kill(eng.pid, signal.SIGKILL)
-        wait_gone(eng.pid)
+        os.kill(eng.engine.pid, signal.SIGKILL)
+        wait_gone(eng.engine.pid)
         eng.check()
         assert eng.dead and "health check" in eng.failure.cause
     finally:
@@ -86,7 +86,7 @@ def test_a_hung_engine_is_killed_by_the_watchdog(hf_model_dir) -> None:
     try:
         eng.add(0, PROMPTS[0], None, greedy(50))
         eng.step()
-        os.kill(eng.pid, signal.SIGSTOP)
+        os.kill(eng.engine.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         assert eng.step() == []
         assert 1.5 < time.monotonic() - t0 < 10
@@ -102,7 +102,7 @@ def test_an_engine_process_leaves_no_temporary_files_however_it_ends(hf_model_di
     """The child's TMPDIR is its own: gone after a SIGKILL (vLLM's in-process engine core
     leaves a `vllm_dist_<uuid>` file store there, which a killed or `os._exit`ed process
     never removes) and after a clean close; torch inductor's cache stays the rank's."""
-    from pivot_hpc.engines.child_engine import _inductor_cache_dir
+    from pivot_hpc.engines.process.child import _inductor_cache_dir
 
     killed = GuardedEngine(ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"}))
     closed = ChildEngine("hf", str(hf_model_dir), {**ARGS, "device": "cpu"})
@@ -118,8 +118,8 @@ def test_an_engine_process_leaves_no_temporary_files_however_it_ends(hf_model_di
             with open(os.path.join(child.tmp_dir, "vllm_dist_0"), "w") as f:  # as vLLM's
                 f.write("store")
         assert killed.engine.tmp_dir != closed.tmp_dir
-        os.kill(killed.pid, signal.SIGKILL)
-        wait_gone(killed.pid)
+        os.kill(killed.engine.pid, signal.SIGKILL)
+        wait_gone(killed.engine.pid)
         killed.check()
         assert killed.dead and os.path.isdir(killed.engine.tmp_dir)  # until the rank closes
     finally:

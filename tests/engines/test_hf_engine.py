@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pivot_hpc.engines.base import InferenceEngine, SamplingParams
-from pivot_hpc.engines.hf_engine import HFEngine, generate_all
+from pivot_hpc.engines.hf.engine import HFEngine, generate_all
 from pivot_hpc.models.qwen2 import create_model
 
 from .conftest import TINY

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pivot_hpc.engines.convert import hf_to_megatron, megatron_to_hf
+from pivot_hpc.engines.megatron.convert import hf_to_megatron, megatron_to_hf
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.models.qwen2 import create_model
 

@@ -30,7 +30,7 @@ from pivot_hpc.coordinator.events import SequenceFinished, ToolReturned
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.coordinator.shifts import ShiftExecutor
 from pivot_hpc.coordinator.turns import TurnLoop
-from pivot_hpc.engines.hf_engine import HFEngine
+from pivot_hpc.engines.hf.engine import HFEngine
 from pivot_hpc.models.zoo import load_model
 from pivot_hpc.recipes.calculator_eval import held_out
 from pivot_hpc.recipes.tiny_models import ensure_model

@@ -1,5 +1,5 @@
 """The sharded (ZeRO-1) optimizer of the Megatron engine (`rl.trainer.distributed_optimizer`,
-engines/sharded_adam.py): the range arithmetic here; on CPU/gloo with real megatron-core
+engines/megatron/sharded_adam.py): the range arithmetic here; on CPU/gloo with real megatron-core
 (tests/engines/sharded_worker.py, fresh processes per world) the same training as the
 unsharded optimizer at DP 2 with half the state per rank, re-partitioning, and checkpoints
 across DP sizes and between the two optimizers. Elastic training with it:
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pivot_hpc.engines.sharded_adam import KINDS, FlatLayout, ShardedAdam, split
+from pivot_hpc.engines.megatron.sharded_adam import KINDS, FlatLayout, ShardedAdam, split
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_one_owner_steps_like_torch_adamw_over_the_parameters(masters: bool) -> 
 
 
 def _owners_all(z: ShardedAdam):
-    from pivot_hpc.engines.sharded_adam import Owners
+    from pivot_hpc.engines.megatron.sharded_adam import Owners
 
     return Owners(None, (0,), ((0, z.layout.total),))
 
@@ -224,7 +224,7 @@ def test_elastic_runs_register_no_optimizer_models_when_sharded() -> None:
 
     from pivot_hpc.gps import ModelSpec
     from pivot_hpc.models.qwen2 import create_model
-    from pivot_hpc.runtime.elastic import run_optimizer_models
+    from pivot_hpc.runtime.training_world import run_optimizer_models
     from tests.tiny_arch import tiny_arch
 
     policy = ModelSpec.from_hf_config(create_model(tiny_arch(), seed=0).config.to_dict(), "policy")

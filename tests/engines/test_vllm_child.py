@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import pytest
 
 from pivot_hpc.engines.base import InferenceEngine, SamplingParams
-from pivot_hpc.engines.child_engine import ChildEngine, EngineProcessError
 from pivot_hpc.engines.config import InferenceEngineConfig
 from pivot_hpc.engines.factory import make_inference_engine
+from pivot_hpc.engines.process.child import ChildEngine, EngineProcessError
 from pivot_hpc.errors import PivotError
 from tests.vllm_support import require_vllm, vllm_model_dir
 

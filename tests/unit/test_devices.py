@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from pivot_hpc.engines.sglang_launch import replica_gpus
+from pivot_hpc.engines.sglang.launch import replica_gpus
 from pivot_hpc.runtime import devices, stop
 from pivot_hpc.runtime.devices import NODE_GPUS_ENV, PlacementError, bind_worker_gpu
 

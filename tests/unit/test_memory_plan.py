@@ -325,7 +325,7 @@ def test_shipped_gpu_configs_size_the_kv_pool_from_free_memory() -> None:
 
 def test_a_live_run_takes_the_distributed_optimizer_the_plan_sizes() -> None:
     """The plan divides the optimizer state by dp with it; the engine shards it
-    (engines/sharded_adam.py), so the launch check passes it."""
+    (engines/megatron/sharded_adam.py), so the launch check passes it."""
     from pivot_hpc.runtime.world import check_live_config
 
     for flag in ("true", "false"):

@@ -12,7 +12,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from pivot_hpc.engines.vllm_engine import VLLM_VERSION
+from pivot_hpc.engines.vllm.engine import VLLM_VERSION
 
 from .test_gpu_pins import ROOT, _candidates, _reqs, _setup_cfg, ours, release_pins
 

@@ -28,8 +28,15 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from pivot_hpc.engines.config import InferenceEngineConfig
+from pivot_hpc.engines.process import job_signals
 from pivot_hpc.errors import PivotError, PlacementError
+from pivot_hpc.models.limits import model_limits
+
+if TYPE_CHECKING:
+    from pivot_hpc.engines.sglang.engine import SGLangEngine
 
 PORTS_PER_SLOT = 16
 GIB = 1 << 30
@@ -197,3 +204,104 @@ def replica_gpus(
             f"{len(node)} GPUs; replicas must fit on one node (cluster.gpus_per_node)"
         )
     return ",".join(node[slot : slot + tp])
+
+
+def sglang_server_args(
+    ec: InferenceEngineConfig,
+    model_dir: str | Path,
+    *,
+    tp: int,
+    kv_capacity_tokens: int,
+    max_seq_len: int,
+    seed: int,
+    ports: list[int],
+    mem_fraction_static: float | None,
+) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine` (fields of SGLang 0.5.23's ServerArgs)."""
+    port, nccl_port = ports
+    args: dict[str, Any] = {
+        **ec.server_args,
+        "model_path": str(model_dir),
+        "tp_size": tp,
+        "base_gpu_id": 0,  # CUDA_VISIBLE_DEVICES is the replica's GPUs (engines/sglang/py)
+        "skip_tokenizer_init": True,  # token ids in and out
+        "enable_memory_saver": True,  # release/resume_memory_occupation on role shifts
+        "context_length": max_seq_len,
+        "max_total_tokens": kv_capacity_tokens,
+        "max_running_requests": ec.max_batch,
+        "chunked_prefill_size": ec.prefill_chunk_tokens,
+        "random_seed": seed,
+        "port": port,
+        "nccl_port": nccl_port,
+        "dist_init_addr": f"127.0.0.1:{nccl_port}",  # a replica is on one node
+        "watchdog_timeout": ec.watchdog_timeout_s,
+    }
+    if mem_fraction_static is not None:
+        args["mem_fraction_static"] = mem_fraction_static
+    return args
+
+
+def make_sglang_engine(
+    ec: InferenceEngineConfig,
+    model_dir: str | Path,
+    *,
+    role: str,
+    tp: int,
+    kv_capacity_tokens: int,
+    slot: int,
+    seed: int,
+    api: Any = None,
+    free_memory: Callable[[str | None], list[int]] | None = None,
+    reclaim_signals: Callable[[], object] | None = None,
+) -> SGLangEngine:
+    """Start one SGLang Engine over GPUs [slot, slot + tp) of this node (this process
+    becomes the replica leader) and wrap it. `api` replaces the sglang imports and
+    `free_memory` the NVML query (tests)."""
+    from pivot_hpc.engines.sglang.engine import SGLangEngine, load_sglang_api
+
+    key = f"engines.{role}"
+    api = api or load_sglang_api(f"{key}.engine")
+    max_pos, eos = model_limits(model_dir)
+    max_seq_len = ec.max_seq_len or max_pos
+    visible = replica_gpus(slot, tp, f"{role}.tp")
+    ports = engine_ports(ec.port_base, slot, config_key=f"{key}.port_base")
+    fraction = ec.mem_fraction_static
+    if fraction is None:
+        free = (free_memory or free_gpu_bytes)(visible)
+        if free:  # else SGLang's own choice (no NVML here)
+            check_balanced(free, config_key=f"{role}.tp")
+            fraction = mem_fraction_static(
+                min(free),
+                weights_bytes(model_dir) // tp,
+                int(ec.memory_reserve_gib * GIB),
+                config_key=f"{key}.memory_reserve_gib",
+            )
+    args = sglang_server_args(
+        ec,
+        model_dir,
+        tp=tp,
+        kv_capacity_tokens=kv_capacity_tokens,
+        max_seq_len=max_seq_len,
+        seed=seed,
+        ports=ports,
+        mem_fraction_static=fraction,
+    )
+    # its scheduler and detokenizer children must outlive Slurm's step-wide USR1/TERM
+    with scoped_env(launch_env(visible)), job_signals.shielded():
+        engine = api.engine_cls(**args)
+    return SGLangEngine(
+        engine,
+        api=api,
+        tp_size=tp,
+        max_batch=ec.max_batch,
+        max_seq_len=max_seq_len,
+        eos_token_ids=eos,
+        weight_bucket_bytes=ec.weight_bucket_mb << 20,
+        stream_interval=ec.stream_interval,
+        poll_s=ec.poll_s,
+        abort_timeout_s=ec.abort_timeout_s,
+        idle_timeout_s=ec.idle_timeout_s,
+        pause_mode=ec.pause_mode,
+        config_key=key,
+        reclaim_signals=reclaim_signals,
+    )

@@ -1,4 +1,13 @@
-"""Elastic training live (`planner.elastic_training`, docs/design.md §3): training's data
+"""The training world: the ranks that may train, where their torch.distributed world
+meets, and how a replica that joins gets the training set's state.
+
+- **Where it meets** (one place: `rendezvous` at start, `TrainingWorld.child_env` and
+  `next_address` for each new generation of trainer children). On one node: through a
+  file in a private (0700) directory of world rank 0's (no TCP store listening on every
+  interface, no port race), gloo/NCCL sockets on loopback. Across nodes: a TCP store on
+  the host of the first training rank (it hosts the store), on a port it found free.
+
+Elastic training live (`planner.elastic_training`, docs/design.md §3): training's data
 parallelism changes between steps.
 
 - **The training world.** torch.distributed spans every worker that may ever train: the
@@ -25,12 +34,13 @@ parallelism changes between steps.
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import time
 from dataclasses import dataclass
 
 from pivot_hpc.config import Config
-from pivot_hpc.engines.base import TrainEngine
-from pivot_hpc.engines.step_groups import StepGroups
+from pivot_hpc.engines.base import STORE_ENV, Trainer
 from pivot_hpc.gps import ModelSpec, Parallelism
 from pivot_hpc.planner.snapshot import extension_slots
 
@@ -103,13 +113,67 @@ class TrainingWorld:
     def torch_rank(self, rank: int) -> int:
         return self.ranks.index(rank)
 
-    def step_groups(self) -> StepGroups:
-        """The step member sets' process groups over this world (in the rank, or in its
-        trainer child: engines/step_groups.py)."""
-        return StepGroups(self.ranks, self.tp)
+    def trainer_env(
+        self,
+        rank: int,
+        *,
+        child: bool,
+        generation: int = 0,
+        address: tuple[str, int] | None = None,
+    ) -> dict[str, str]:
+        """The torch.distributed environment of world rank `rank`'s trainer
+        (engines/factory.py `make_trainer`). In the rank: its RANK and WORLD_SIZE, meeting
+        where `rendezvous` said. A trainer child, generation `generation` of them: alone,
+        its own private store (nothing); on one node, a new file beside the one
+        `rendezvous` made; across nodes, a TCP store on the first training rank's host, at
+        start where `rendezvous` put it, later at `address` (a port found free there for
+        each generation: the last one's children are all gone by then)."""
+        env = {"RANK": str(self.torch_rank(rank)), "WORLD_SIZE": str(len(self.ranks))}
+        if not child:
+            return env
+        if len(self.ranks) == 1:
+            return {}
+        if os.environ.get(STORE_ENV):
+            env[STORE_ENV] = f"{os.environ[STORE_ENV]}.trainers{generation}"
+        elif address is not None:
+            env["MASTER_ADDR"], env["MASTER_PORT"] = address[0], str(address[1])
+        else:
+            env["MASTER_ADDR"], env["MASTER_PORT"] = (
+                os.environ["MASTER_ADDR"],
+                os.environ["MASTER_PORT"],
+            )
+        return env
+
+    def next_address(self, rank: int) -> tuple[str, int] | None:
+        """Across nodes, on the first rank that may train: a port free on its host for the
+        next generation's store (else None)."""
+        if os.environ.get(STORE_ENV) or rank != self.ranks[0]:
+            return None
+        return socket.gethostname(), _free_port()
 
 
-def publish_optimizer(gps, trainer: TrainEngine, rank: int, writer: int, version: int) -> None:
+def rendezvous(comm, cfg: Config, lay) -> None:
+    """Where the training world meets at start, on every rank (runtime/main.py)."""
+    if cfg.cluster.nodes == 1:
+        from pivot_hpc.engines.megatron.model import private_store
+
+        os.environ[STORE_ENV] = comm.bcast(private_store() if comm.Get_rank() == 0 else None)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        return
+    master = lay.rank_of_gpu(cfg.training_gpus()[0])  # its RANK 0
+    offer = (socket.gethostname(), _free_port()) if comm.Get_rank() == master else None
+    host, port = comm.bcast(offer, root=master)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def publish_optimizer(gps, trainer: Trainer, rank: int, writer: int, version: int) -> None:
     """Write the trainer's optimizer state to GPS at policy `version`. Called on the ranks
     of the training set's first replica (they gather over tensor parallelism together);
     `writer`, the first of them, writes."""
@@ -132,7 +196,7 @@ def publish_optimizer(gps, trainer: TrainEngine, rank: int, writer: int, version
 
 
 def read_optimizer(
-    gps, trainer: TrainEngine, rank: int, version: int, timeout_s: float = 600.0
+    gps, trainer: Trainer, rank: int, version: int, timeout_s: float = 600.0
 ) -> None:
     """Wait until the optimizer state of policy `version` is in GPS and read it into the
     trainer (which must hold that policy)."""

@@ -9,7 +9,7 @@ and GPU (NCCL) — megatron's own DistributedOptimizer does not run on CPU (docs
   replicas of the data-parallel group that hold state (`regroup`). Under megatron's own data
   parallelism that is every replica. With elastic training (`use_data_parallel`) a replica
   that joins through GPS takes no state and owns nothing, so it can leave again without
-  handing anything back (runtime/elastic.py): the training set owns all of it, as the
+  handing anything back (runtime/training_world.py): the training set owns all of it, as the
   memory plan sizes it (optimizer / training DP).
 - **A step.** After the gradient all-reduce every replica holds the full gradient; each owner
   runs AdamW on its range (the caller clips with the norm of the full gradient), writes the

