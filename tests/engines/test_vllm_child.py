@@ -25,6 +25,7 @@ from pivot_hpc.engines.base import InferenceEngine, SamplingParams
 from pivot_hpc.engines.config import InferenceEngineConfig
 from pivot_hpc.engines.factory import make_inference_engine
 from pivot_hpc.engines.process.child import ChildEngine, EngineProcessError
+from pivot_hpc.engines.process.guard import GuardedEngine
 from pivot_hpc.errors import PivotError
 from tests.vllm_support import require_vllm, vllm_model_dir
 
@@ -63,12 +64,15 @@ def child(tmp_path_factory, rank_log):
     os.environ["MASTER_PORT"] = "29511"
     try:
         t0 = time.monotonic()
-        eng = make_inference_engine(_cfg(), "rollout", d, seed=5)  # process: auto → child
+        guarded = make_inference_engine(_cfg(), "rollout", d, seed=5)  # process: auto → child
         print(f"vllm child started in {time.monotonic() - t0:.1f}s")
     finally:
         del os.environ["OMPI_COMM_WORLD_RANK"], os.environ["MASTER_PORT"]
-    yield eng
-    eng.close()
+    # the factory guards every child (engine fault tolerance); these tests are about the
+    # child process itself, so they drive the proxy under the guard
+    assert isinstance(guarded, GuardedEngine)
+    yield guarded.engine
+    guarded.close()
 
 
 @pytest.mark.slow  # the module's vLLM child: 10-15 s to start

@@ -184,7 +184,7 @@ def test_a_signal_to_every_process_of_the_job_spares_engine_children(tmp_path: P
     proc = start(run_dir, log, *BASE, *children, delay_s=0.1)
     wait_for(log, "step 1/4", proc, timeout=300)
     engines = subprocess.run(
-        ["pgrep", "-s", str(proc.pid), "-f", "pivot_hpc.engines.process.child"],
+        ["pgrep", "-s", str(proc.pid), "-f", "pivot_hpc.engines.process.serve"],
         capture_output=True,
         text=True,
     ).stdout.split()
@@ -200,6 +200,6 @@ def test_a_signal_to_every_process_of_the_job_spares_engine_children(tmp_path: P
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert f"resuming from {ckpt}" in out.stdout and "pivot-hpc: done: 4 steps" in out.stdout
     leftover = subprocess.run(
-        ["pgrep", "-f", "pivot_hpc.engines.process.child"], capture_output=True
+        ["pgrep", "-f", "pivot_hpc.engines.process.serve"], capture_output=True
     )
     assert not set(leftover.stdout.decode().split()) & set(engines)  # none outlived its rank

@@ -49,7 +49,7 @@ CONFIG = [
 
 def engine_processes(session: int) -> list[int]:
     out = subprocess.run(
-        ["pgrep", "-s", str(session), "-f", "pivot_hpc.engines.process.child"],
+        ["pgrep", "-s", str(session), "-f", "pivot_hpc.engines.process.serve"],
         capture_output=True,
         text=True,
     ).stdout.split()

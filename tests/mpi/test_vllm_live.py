@@ -50,7 +50,7 @@ def vllm_children(session: int | None = None) -> list[str]:
     """Pids of engine child processes (of one session, or anywhere)."""
     where = ["-s", str(session)] if session is not None else []
     found = subprocess.run(
-        ["pgrep", *where, "-f", "pivot_hpc.engines.process.child"], capture_output=True, text=True
+        ["pgrep", *where, "-f", "pivot_hpc.engines.process.serve"], capture_output=True, text=True
     )
     return found.stdout.split()
 
