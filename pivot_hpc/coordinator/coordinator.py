@@ -523,6 +523,7 @@ class Coordinator:
             version=self.rl.version,
             made_rollout_tokens=made[0],
             made_reward_tokens=made[1],
+            skipped_nonfinite=int(ev.metrics.get("skipped_nonfinite", 0)),
         )
         for s in batch:
             self.telemetry.trained(

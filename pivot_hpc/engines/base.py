@@ -247,7 +247,10 @@ class Trainer(Protocol):
     dp: int  # data-parallel size of the current step set
     dp_rank: int
 
-    def load_weights(self, tensors: Tensors) -> None: ...
+    # masters=False: the parameters only — a trainer that holds the current version keeps
+    # its own fp32 masters (a bf16 policy in GPS would round every update that did not move
+    # the bf16 value away: DESIGN.md §3, the optimizer state is preserved context)
+    def load_weights(self, tensors: Tensors, *, masters: bool = True) -> None: ...
 
     def train_step(self, batch: TrainBatch, loss: str = "grpo") -> dict[str, float]: ...
 

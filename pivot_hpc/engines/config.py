@@ -45,6 +45,7 @@ VLLM_OWNED_ARGS = frozenset(
         "max_model_len",
         "max_num_seqs",
         "max_num_batched_tokens",
+        "enable_chunked_prefill",
         "kv_cache_memory_bytes",
         "num_gpu_blocks_override",
         "logprobs_mode",

@@ -12,11 +12,15 @@ carries single-turn and multi-turn samples alike.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pivot_hpc.rl.config import GRPOConfig
 from pivot_hpc.rl.grpo import group_advantages
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -106,20 +110,50 @@ def assemble(trajectories: Sequence[Trajectory], grpo: GRPOConfig) -> TrainBatch
         [t.prompt_index for t in trajectories],
         normalize_std=grpo.normalize_std,
     )
-    masked = any(t.loss_mask is not None for t in trajectories)
+    logprobs, masks = _finite_logprobs(trajectories)
+    masked = any(m is not None for m in masks)
     return TrainBatch(
         prompt_ids=[t.prompt_ids for t in trajectories],
         response_ids=[t.response_ids for t in trajectories],
         advantages=adv,
-        old_logprobs=[t.logprobs for t in trajectories],
+        old_logprobs=logprobs,
         versions=[t.version for t in trajectories],
         truncated=[t.truncated for t in trajectories] if grpo.mask_truncated else None,
         loss_mask=(
             [
-                list(t.loss_mask) if t.loss_mask is not None else [1] * len(t.response_ids)
-                for t in trajectories
+                m if m is not None else [1] * len(t.response_ids)
+                for t, m in zip(trajectories, masks, strict=True)
             ]
             if masked
             else None
         ),
     )
+
+
+def _finite_logprobs(
+    trajectories: Sequence[Trajectory],
+) -> tuple[list[list[float] | None], list[list[int] | None]]:
+    """The behaviour logprobs as they enter the batch, checked finite: a token an engine
+    gave a NaN or infinite logprob (a numerical fault, or -inf from a sampler that kept a
+    token it gives no mass) carries no loss — masked, its placeholder 0.0 — rather than
+    poison the ratio of the whole step. Returns (logprobs, loss masks: None = all 1)."""
+    logprobs: list[list[float] | None] = []
+    masks: list[list[int] | None] = []
+    bad = 0
+    for t in trajectories:
+        mask = list(t.loss_mask) if t.loss_mask is not None else None
+        lp = t.logprobs
+        if lp is not None and not all(math.isfinite(x) for x in lp):
+            lp = list(lp)
+            mask = mask or [1] * len(t.response_ids)
+            for i, x in enumerate(lp):
+                if not math.isfinite(x):
+                    bad += mask[i] if i < len(mask) else 0
+                    lp[i] = 0.0
+                    if i < len(mask):
+                        mask[i] = 0
+        logprobs.append(lp)
+        masks.append(mask)
+    if bad:
+        log.warning("%d response tokens with non-finite rollout logprobs: not trained on", bad)
+    return logprobs, masks

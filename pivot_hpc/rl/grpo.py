@@ -121,6 +121,9 @@ def rollout_correction(
     return ones, mask, metrics
 
 
+LOG_RATIO_BOUND = 20.0  # nats (veRL's bound of the PPO log-ratio)
+
+
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -157,7 +160,10 @@ def ppo_clip_loss(
     old_logprobs = torch.where(on, old_logprobs, logprobs.detach())
     if ref_logprobs is not None:
         ref_logprobs = torch.where(on, ref_logprobs, logprobs.detach())
-    log_ratio = logprobs - old_logprobs
+    # bounded as veRL bounds it (±20 nats): one token whose old logprob is far below the
+    # policy's (a rollout engine's -inf or -88) would overflow exp and put NaN into every
+    # gradient; clamped, its gradient is zero and the rest of the batch trains
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -172,7 +178,7 @@ def ppo_clip_loss(
     if kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("ppo_clip_loss: kl_coef > 0 needs ref_logprobs")
-        d = ref_logprobs - logprobs
+        d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         kl = torch.exp(d) - d - 1.0  # k3 estimator, >= 0
         loss_tok = loss_tok + kl_coef * kl
     loss = aggregate(

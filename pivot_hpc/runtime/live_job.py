@@ -23,6 +23,7 @@ from pivot_hpc.runtime.step_log import (
     filtered_summary,
     mismatch_summary,
     monitor_summary,
+    skipped_summary,
     step_scalars,
 )
 from pivot_hpc.tracking import open_trackers
@@ -215,7 +216,8 @@ class LiveHooks(Hooks):
             f"reward={m['reward']:.3f} loss={m.get('loss', float('nan')):.4f}  "
             f"shifts={coord.stats.shifts_up} queued={ro.n_queued}+{rm.n_queued}"
             f"{filtered_summary(m)}"
-            f"{mismatch_summary(m)}",
+            f"{mismatch_summary(m)}"
+            f"{skipped_summary(m)}",
             flush=True,
         )
 

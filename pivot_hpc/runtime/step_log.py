@@ -13,6 +13,7 @@ TRAIN_METRICS = (
     "ratio",
     "approx_kl",
     "grad_norm",
+    "skipped_nonfinite",
     "lr",
     "staleness",
     "mismatch_abs_logp",
@@ -33,6 +34,11 @@ def mismatch_summary(m: dict) -> str:
         if key in m:
             out += f" {name}={m[key]:.1%}"
     return out
+
+
+def skipped_summary(m: Mapping[str, float]) -> str:
+    """A step whose gradient was not finite: no optimizer step (nothing otherwise)."""
+    return "  SKIPPED: gradient not finite" if m.get("skipped_nonfinite") else ""
 
 
 def filtered_summary(m: Mapping[str, float]) -> str:

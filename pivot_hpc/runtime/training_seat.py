@@ -127,11 +127,16 @@ class TrainingSeat:
             read_optimizer(self.gps, trainer, self.rank, version)
             phases["reload_s"] = time.perf_counter() - t1
         elif leader:
+            released = trainer.memory_released
             trainer.resume_memory()  # (released at shift down on a GPU)
             trainer.reload_optimizer()
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            self._load_policy(version)
+            if trainer.version != version:  # (a trainer behind GPS: take all of it)
+                self._load_policy(version)
+            elif released:  # the parameters back from GPS; the masters are its own
+                self._load_policy(version, masters=False)
+            # else it holds the current version, fp32 masters included: nothing to read
             phases["read_s"] = time.perf_counter() - t1
         self.active = True
 
@@ -154,12 +159,13 @@ class TrainingSeat:
                 phases["discard_s"] = time.perf_counter() - t1
         self.active = False
 
-    def _load_policy(self, version: int) -> None:
-        """The trainer takes the policy from GPS; training must start from the latest."""
+    def _load_policy(self, version: int, *, masters: bool = True) -> None:
+        """The trainer takes the policy from GPS; training must start from the latest.
+        `masters=False`: the parameters only (the trainer keeps its fp32 masters)."""
         tensors, got = self.gps.read("policy", [self.rank], TP1, device="cpu")
         if got != version:
             raise RuntimeError(f"training read policy v{got} from GPS, expected v{version}")
-        self.trainer.load_weights(tensors)
+        self.trainer.load_weights(tensors, masters=masters)
 
     # ------------------------------------------------------------------ steps
     def form_groups(self, members: tuple[int, ...]) -> None:
@@ -243,7 +249,9 @@ class TrainingSeat:
         if released:
             trainer.resume_memory()
             tensors, _ = self.gps.read("policy", [self.rank], TP1, device="cpu")
-            trainer.load_weights(tensors)
+            # the parameters back; the training set's masters are its own (offloaded), an
+            # extension discarded its state and takes the policy's
+            trainer.load_weights(tensors, masters=self.extension)
         offloaded = trainer.optimizer_offloaded
         trainer.reload_optimizer()
         yield

@@ -113,6 +113,13 @@ FIELDS: dict[str, list[tuple[str, str, str, str]]] = {
             "ones included (NaN: not counted; live runs)",
         ),
         ("made_reward_tokens", "f8", "tokens", "the same of GenRM tokens"),
+        (
+            "skipped_nonfinite",
+            "i1",
+            "",
+            "1: the gradient norm was not finite, no optimizer step was taken (weights "
+            "unchanged; files without the field read 0)",
+        ),
     ],
     "trained": [
         ("step", "i8", "", "RL step that trained on the sample"),
@@ -209,7 +216,11 @@ ADDED_IN = {"trained": 2, "checkpoints": 2, "evals": 2, "failures": 4, "tool_cal
 # Optional fields: a writer may leave them out and a file of an older version lacks them;
 # both read as this value.
 OPTIONAL: dict[str, dict[str, float]] = {
-    "steps": {"made_rollout_tokens": float("nan"), "made_reward_tokens": float("nan")},
+    "steps": {
+        "made_rollout_tokens": float("nan"),
+        "made_reward_tokens": float("nan"),
+        "skipped_nonfinite": 0,
+    },
     "trained": {"tool_calls": 0},
     "throughput": {"n_parked": 0},
     "tool_calls": {"node": -1},

@@ -360,6 +360,7 @@ def summarise(run: Run) -> dict[str, Any]:
         "reward_mean_first": float(steps["reward_mean"][0]) if len(steps) else None,
         "reward_mean_last": float(steps["reward_mean"][-1]) if len(steps) else None,
         "staleness_max": int(steps["staleness_max"].max()) if len(steps) else None,
+        "steps_skipped_nonfinite": int(steps["skipped_nonfinite"].sum()) if len(steps) else 0,
         "utilisation": {r: util[r] for r in ALLOC_ROLES},
         "gpu_seconds": util["gpu_seconds"],
         **shift_counts(run["shifts"], len(steps)),

@@ -84,7 +84,9 @@ def test_factory_wires_every_key_and_leaves_the_process_alone(started):
     vc = eng.engine.vllm_config
     assert vc.scheduler_config.max_num_seqs == eng.max_batch == 8
     assert vc.model_config.max_model_len == eng.max_seq_len == 200
-    assert vc.scheduler_config.max_num_batched_tokens == 96
+    # on CPU prefills are whole (engines/vllm/launch.py): a budget of one full sequence
+    assert not vc.scheduler_config.enable_chunked_prefill
+    assert vc.scheduler_config.max_num_batched_tokens == 200
     assert vc.cache_config.block_size == 32 and eng.kv_capacity == KV
     assert vc.model_config.logprobs_mode == "processed_logprobs"
     assert eng.rng_state() == {"seed": 7, "requests": 0}
@@ -116,6 +118,22 @@ def test_sampled_logprobs_are_log_softmax_at_the_temperature(e, hf_model):
         logits = hf_model(ids).logits[0, len(PROMPTS[1]) - 1 : -1]
     want = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(r.token_ids)[:, None])
     assert r.logprobs == pytest.approx(want[:, 0].tolist(), abs=1e-4)
+
+
+@pytest.mark.slow  # the module's real vLLM engine
+def test_seeded_sampling_survives_prefills_over_the_chunk_budget(e):
+    """Four 60-token prompts sampled at T=1 (each with its own seed) in one step: more
+    prefill than the 96-token chunk budget. vLLM 0.32 on CPU died on the partial prefill
+    ("CPU Generator does not use offset", a resume's partials hit it); whole prefills
+    queue instead."""
+    for i in range(4):
+        e.add(
+            i,
+            [3 + (i * 7 + j) % 100 for j in range(60)],
+            sampling=SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
+        )
+    out = drain(e)
+    assert sorted(out) == [0, 1, 2, 3] and all(len(r.token_ids) == 8 for r in out.values())
 
 
 @pytest.mark.slow  # the module's real vLLM engine: its import is 5-10 s

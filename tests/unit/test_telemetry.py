@@ -42,9 +42,9 @@ ALLOCATIONS_1 = [  # t, ro, rm, tr, idle, transition
 ]
 ALLOCATIONS_2 = [(0.0, 6, 2, 0, 0, 0)]  # t=25 after the offset, holds until 45
 STEPS = [  # step, start, end, ro_tok, rm_tok, tr_tok, samples, r, r_ver, r_genrm, loss,
-    # st_max, st_mean, ver, made_ro, made_rm
-    (0, 0.0, 25.0, 1000, 500, 1000, 8, 0.25, 0.125, 0.125, 0.5, 0, 0.0, 1, 1500.0, 600.0),
-    (1, 0.0, 20.0, 2000, 1500, 2000, 8, 0.75, 0.5, 0.25, 0.25, 1, 0.5, 2, 3100.0, 2000.0),  # +25
+    # st_max, st_mean, ver, made_ro, made_rm, skipped_nonfinite
+    (0, 0.0, 25.0, 1000, 500, 1000, 8, 0.25, 0.125, 0.125, 0.5, 0, 0.0, 1, 1500.0, 600.0, 0),
+    (1, 0.0, 20.0, 2000, 1500, 2000, 8, 0.75, 0.5, 0.25, 0.25, 1, 0.5, 2, 3100.0, 2000.0, 1),  # +25
 ]
 # Hand-computed: (1000 + 500 + 2000 + 1500) tokens / (45 - 0) s.
 EXPECTED_TOKENS_PER_S = 5000 / 45
@@ -370,6 +370,7 @@ def test_round_trip_every_dataset_and_field(run_dir: Path) -> None:
 def test_summary_matches_hand_computation(run_dir: Path) -> None:
     s = summarise(open_run(run_dir))
     assert s["steps"] == 2 and s["tokens"] == 5000 and s["duration_s"] == 45.0
+    assert s["steps_skipped_nonfinite"] == 1  # step 1's gradient was not finite
     assert s["tokens_per_s"] == pytest.approx(EXPECTED_TOKENS_PER_S)
     assert s["utilisation"] == pytest.approx(EXPECTED_UTIL)
     assert s["gpu_seconds"] == pytest.approx(360.0)

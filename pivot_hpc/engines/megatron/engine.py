@@ -30,6 +30,8 @@ joiner may leave again without handing anything back.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -49,6 +51,8 @@ from pivot_hpc.engines.megatron.sharded_adam import ShardedAdam
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.rl.config import GRPOConfig, TrainerConfig
 from pivot_hpc.rl.grpo import resolve_loss, rollout_correction, sft_loss
+
+log = logging.getLogger(__name__)
 
 PAD_ID = 0
 
@@ -139,8 +143,10 @@ class MegatronTrainEngine(OptimizerState, Checkpoints):
         self._host_master: list[torch.Tensor] | None = None
         self._released: list[tuple[torch.nn.Parameter, torch.Size]] | None = None
 
-    def load_weights(self, tensors: Tensors) -> None:
-        """Canonical HF tensors → this rank's shard, copied into the parameters in place."""
+    def load_weights(self, tensors: Tensors, *, masters: bool = True) -> None:
+        """Canonical HF tensors → this rank's shard, copied into the parameters in place;
+        and into the fp32 masters of a model that is not fp32 unless `masters` is False
+        (the trainer's own masters are newer than any rounded copy of its weights)."""
         shard = hf_to_megatron(tensors, self.model_cfg, self.tp_rank, self.tp)
         own = dict(self.gpt.named_parameters())
         missing = set(own) - set(shard)
@@ -148,11 +154,11 @@ class MegatronTrainEngine(OptimizerState, Checkpoints):
             raise KeyError(f"load_weights: no tensors for {sorted(missing)[:4]}…")
         index = {id(p): i for i, p in enumerate(self.params)}
         with torch.no_grad():
-            if self._zero is not None:  # masters of my range, in the source precision
+            if self._zero is not None and masters:  # my range's, in the source precision
                 self._zero.load_master({index[id(p)]: shard[n].float() for n, p in own.items()})
             for name, p in own.items():
                 p.copy_(shard[name].to(p.dtype))
-                if self._master is not None:
+                if self._master is not None and masters:
                     # masters take the source precision, not the bf16-rounded parameter
                     i = index[id(p)]
                     src = shard[name].float()
@@ -410,14 +416,28 @@ class MegatronTrainEngine(OptimizerState, Checkpoints):
             # unsharded one; each owner steps its range and the weights are all-gathered
             grads = [p.main_grad for p in self.params]
             grad_norm = self._grad_norm(grads)
-            self._zero.step(self.params, grads, lr=lr, scale=self._clip_scale(grad_norm))
+            if math.isfinite(grad_norm):
+                self._zero.step(self.params, grads, lr=lr, scale=self._clip_scale(grad_norm))
         else:
             grad_norm = self._optimizer_step(lr)
-        self.steps += 1
+        # A gradient norm that is not finite (the same on every replica: the gradients were
+        # reduced) skips the optimizer step everywhere: the weights stay, a new policy
+        # version is published as usual, the optimizer's step count does not advance.
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.warning(
+                "training step %d: gradient norm %s is not finite: optimizer step skipped "
+                "(weights unchanged)",
+                self.version + 1,
+                grad_norm,
+            )
+        else:
+            self.steps += 1
         self.version += 1
         tok = max(sums.pop("tokens", 0.0), 1.0)
         metrics = {k.removesuffix("_sum"): v / tok for k, v in sums.items()}
         metrics.update(grad_norm=grad_norm, lr=lr, tokens=tok, sequences=float(len(batch)))
+        metrics["skipped_nonfinite"] = float(skipped)
         metrics.update(mismatch)
         if batch.versions:
             metrics["staleness"] = sum(self.version - 1 - v for v in batch.versions) / len(batch)

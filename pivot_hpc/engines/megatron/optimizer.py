@@ -58,6 +58,10 @@ class OptimizerState:
         for p, q in zip(self.params, self._opt_params, strict=True):
             q.grad = p.main_grad.to(q.dtype) if p.main_grad.dtype != q.dtype else p.main_grad
         grad_norm = self._grad_norm([q.grad for q in self._opt_params])
+        if not math.isfinite(grad_norm):  # skipped: AdamW would write NaN everywhere
+            for q in self._opt_params:
+                q.grad = None
+            return grad_norm
         scale = self._clip_scale(grad_norm)
         if scale is not None:
             for q in self._opt_params:

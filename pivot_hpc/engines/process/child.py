@@ -310,8 +310,8 @@ class ChildTrainer(_ChildProcess):
         self._proc.kill()
         self._proc.wait()
 
-    def load_weights(self, tensors: Tensors) -> None:
-        self._call("load_weights", _on_cpu(tensors))
+    def load_weights(self, tensors: Tensors, *, masters: bool = True) -> None:
+        self._call("load_weights", _on_cpu(tensors), masters=masters)
 
     def load_optimizer_state(self, state: dict[str, Tensors], *, step: int, version: int) -> None:
         state = {k: _on_cpu(v) for k, v in state.items()}

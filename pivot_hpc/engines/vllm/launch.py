@@ -129,6 +129,14 @@ def engine_args(
     blocks = max(1, math.ceil(kv_capacity_tokens / block))
     per_token = 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"]
     per_token *= DTYPE_BYTES.get(dtype, 4)
+    max_model_len = min(max_seq_len, blocks * block)
+    # On CPU, prefills are never chunked: vLLM 0.32 rewinds a seeded request's generator
+    # after a partial prefill (gpu_model_runner: `gen.set_offset(...)`), which a CPU
+    # generator refuses ("CPU Generator does not use offset") — the engine dies whenever a
+    # step's prefills exceed the chunk budget (a resume's partials, a burst of GenRM
+    # prompts). Whole prefills need a budget of one full sequence.
+    chunked = device_type != "cpu"
+    budget = max(ec.prefill_chunk_tokens, ec.max_batch)
     return {
         "enforce_eager": True,  # CUDA graphs / torch.compile: vllm_args may turn them on
         "use_tqdm_on_load": False,
@@ -137,9 +145,10 @@ def engine_args(
         "skip_tokenizer_init": True,  # token ids in and out
         "dtype": dtype,
         "block_size": block,
-        "max_model_len": min(max_seq_len, blocks * block),
+        "max_model_len": max_model_len,
         "max_num_seqs": ec.max_batch,
-        "max_num_batched_tokens": max(ec.prefill_chunk_tokens, ec.max_batch),
+        "enable_chunked_prefill": chunked,
+        "max_num_batched_tokens": budget if chunked else max(budget, max_model_len),
         # the KV cache is the role's kv_capacity_tokens, whatever memory is free
         "num_gpu_blocks_override": blocks,
         "kv_cache_memory_bytes": blocks * block * per_token,
