@@ -12,7 +12,7 @@ cache outlives a run, so a restart compiles nothing again. A variable the user s
 already is kept and held to the same rule.
 
 Set in each rank before torch loads (cli/run.py, cli/submit.py), checked once by the
-launcher before any rank starts, and passed to every engine child (engines/child_engine.py).
+launcher before any rank starts, and passed to every engine child (engines/process/child.py).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def test_engine_children_no_longer_get_the_shared_tmp_name(tmp_path: Path) -> No
         "PYTHONPATH": str(REPO),
     }
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    code = "from pivot_hpc.engines.child_engine import _inductor_cache_dir as d; print(d())"
+    code = "from pivot_hpc.engines.process.child import _inductor_cache_dir as d; print(d())"
     out = subprocess.run(
         [sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=50
     )
@@ -120,13 +120,13 @@ def test_run_refuses_a_shared_compile_cache_before_launch(
 
 def test_the_ranks_take_the_private_caches(tmp_path: Path, monkeypatch) -> None:
     """`install` (each rank, before torch compiles) sets every variable, and an engine
-    child is handed the same (engines/child_engine.py)."""
+    child is handed the same (engines/process/child.py)."""
     for var in compile_caches.CACHE_DIRS:  # set first, so that teardown restores each
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
     compile_caches.install(tmp_path / "cache")
     want = compile_caches.resolved({}, cache_dir=tmp_path / "cache")
     assert {v: os.environ[v] for v in want} == want
-    from pivot_hpc.engines.child_engine import _inductor_cache_dir
+    from pivot_hpc.engines.process.child import _inductor_cache_dir
 
     assert _inductor_cache_dir() == want["TORCHINDUCTOR_CACHE_DIR"]
