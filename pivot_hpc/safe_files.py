@@ -1,9 +1,12 @@
-"""Opening output files without being redirected by what a directory already holds.
+"""Opening files of a run directory without being redirected or blocked by what it holds.
 
 A run directory may come from someone else ("please look at my run"): a `trace.json` or a
 checkpoint file planted there as a symbolic link would make a plain `open(path, "w")`
 overwrite whatever the link points to, with the rights of the user running pivot-hpc.
-`open_for_write` refuses that in one line instead.
+`open_for_write` refuses that in one line instead. Reading has its own trap: `mkfifo`
+needs no privilege and `cp -a`, `tar` and `rsync -a` carry FIFOs along, and a plain
+`open(path)` of a FIFO waits for a writer for ever. `open_for_read` refuses anything but
+a regular file before it reads a byte.
 """
 
 from __future__ import annotations
@@ -93,3 +96,63 @@ def _refusal(path: str | os.PathLike[str], exc: OSError) -> UnsafeWriteError:
     err = UnsafeWriteError(f"{p}: {why}")
     err.errno = exc.errno  # for callers that look at it; the message stays one line
     return err
+
+
+class UnsafeReadError(PivotError, OSError):
+    """An input path that is a symbolic link or not a regular file (a FIFO, a socket, a
+    device): refused before anything is read, so a planted FIFO cannot block the reader."""
+
+
+def open_for_read(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open regular file `path` for reading bytes, without following a symbolic link in its
+    last component and without waiting on a FIFO (O_NONBLOCK, then checked on the open
+    descriptor): UnsafeReadError, one line naming the path, for anything else."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, flags)
+    except OSError as exc:
+        try:
+            kind = _kind(os.lstat(p).st_mode)
+        except OSError:
+            kind = None
+        why = f"is {kind}" if kind else f"cannot be read ({exc.strerror or exc})"
+        err = UnsafeReadError(f"{p}: {why}")
+        err.errno = exc.errno
+        raise err from None
+    try:
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind:
+            raise UnsafeReadError(f"{p}: is {kind}, not a regular file; refusing to read it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return io.BufferedReader(io.FileIO(fd, "r", closefd=True))
+
+
+def _kind(mode: int) -> str | None:
+    """What a file that is not a regular one is ("a FIFO" …); None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def special_kind(path: str | os.PathLike[str]) -> str | None:
+    """What `path` is if it is neither a regular file nor a directory (a symbolic link is
+    named as one, not followed); None otherwise, or when it does not exist."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    return None if stat.S_ISDIR(mode) else _kind(mode)

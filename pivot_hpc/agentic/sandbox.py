@@ -8,9 +8,11 @@ The child is `python -I -S -c PROLOGUE` (isolated mode, no site-packages), start
   the value comes back on stdout, stderr is read for a short reason only);
 - in its own session and process group, which is killed whole (SIGKILL) at the wall-clock
   deadline, on an oversized output, and after every call, so nothing it forked survives;
-- in a private network namespace holding only loopback (`unshare --net`) and, where this
-  machine allows them, a private PID namespace (`unshare --pid`) — detected once
-  (`detect_isolation`) and reported, never required.
+- in a private network namespace holding only loopback (`unshare --net`), a user
+  namespace of its own (`--map-root-user`; for root too, who keeps no capability outside
+  it, so that a tool cannot read or write another process's memory through /proc) and,
+  where this machine allows them, a private PID namespace (`unshare --pid`) — detected
+  once (`detect_isolation`) and reported, never required.
 
 The fixed PROLOGUE clears the environment (Python's own locale coercion sets LC_CTYPE),
 makes the child die with the process that spawned it (PR_SET_PDEATHSIG) and unable to
@@ -266,9 +268,11 @@ def _probe_isolation() -> Isolation:
     unshare = shutil.which("unshare")
     if unshare is None:
         return no_isolation("no network isolation: unshare(1) not found (util-linux)")
-    users = [[], ["--map-root-user"]]
-    if os.geteuid() != 0:
-        users = users[1:]  # only a user namespace lets a non-root user unshare
+    # A user namespace first, for root too: root mapped to itself in a namespace of its own
+    # keeps no capability outside it, so a tool cannot open another process's memory or
+    # environment (/proc/PID/mem, /proc/PID/environ), which root otherwise can. Only a
+    # user namespace lets a non-root user unshare at all.
+    users = [["--map-root-user"], []] if os.geteuid() == 0 else [["--map-root-user"]]
     why = {True: "failed", False: "failed"}
     for pid in (True, False):
         for user in users:
@@ -276,15 +280,12 @@ def _probe_isolation() -> Isolation:
             net_ok, pid_ok, why[pid] = _probe(cmd)
             if net_ok and (pid_ok or not pid):
                 used = " ".join(cmd)
+                root = "" if user else "; no user namespace: a tool keeps root's powers"
                 if pid:
-                    return Isolation(
-                        True, tuple(cmd), f"private network and PID namespaces ({used})", True
-                    )
-                return Isolation(
-                    True,
-                    tuple(cmd),
-                    f"private network namespace ({used}); no PID namespace ({why[True]})",
-                )
+                    detail = f"private network and PID namespaces ({used}){root}"
+                    return Isolation(True, tuple(cmd), detail, True)
+                detail = f"private network namespace ({used}); no PID namespace ({why[True]})"
+                return Isolation(True, tuple(cmd), detail + root)
     return no_isolation(f"no network isolation: unshare --net is not permitted here ({why[False]})")
 
 

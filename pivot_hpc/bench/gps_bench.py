@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from pivot_hpc import interpreter
 from pivot_hpc.bench.stats import table
 
 MARK = "GPS-BENCH "
@@ -84,10 +85,10 @@ def _launch(args: argparse.Namespace) -> dict:
     cmd = [mpirun, "-n", str(args.ranks)]
     if "Open MPI" in subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout:
         cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    cmd += [sys.executable, "-m", "pivot_hpc.bench.gps_bench", "--worker"]
+    cmd += interpreter.python("-m", "pivot_hpc.bench.gps_bench", "--worker")
     cmd += ["--mib", str(args.mib), "--repeat", str(args.repeat)]
     cmd += ["--no-nixl"] * args.no_nixl + ["--profile-links"] * args.profile_links
-    env = dict(os.environ)
+    env = interpreter.environ()
     env.setdefault("OMPI_MCA_osc", "^ucx")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]

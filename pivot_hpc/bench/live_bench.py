@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,12 +69,18 @@ def _check(args: argparse.Namespace) -> list[str]:
 def launch(config: Path, run_dir: Path, overrides: list[str], timeout_s: int) -> float:
     """`pivot-hpc run CONFIG --run-dir RUN_DIR OVERRIDES…`; its output goes to
     RUN_DIR.log beside the run dir; returns the wall seconds. A failed run is one line."""
+    from pivot_hpc import interpreter
     from pivot_hpc.errors import UsageError
 
-    cmd = [sys.executable, "-m", "pivot_hpc", "run", str(config), "--run-dir", str(run_dir)]
+    cmd = interpreter.python("-m", "pivot_hpc", "run", str(config), "--run-dir", str(run_dir))
     t0 = time.monotonic()
     out = subprocess.run(
-        [*cmd, *overrides], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT
+        [*cmd, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+        env=interpreter.environ(),
     )
     wall = time.monotonic() - t0
     log = run_dir.parent / f"{run_dir.name}.log"

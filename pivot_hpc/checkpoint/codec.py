@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,10 +26,14 @@ class CodecError(PivotError, ValueError):
 
 
 _TYPES: dict[str, type] = {}
+# A record's own checks, run on every one decoded: a constructor takes what it is given, so a
+# checkpoint's record is checked as input is (ValueError or TypeError: one line).
+_CHECKS: dict[type, Callable[[Any], None]] = {}
 
 
-def register(*classes: type) -> None:
-    """Allow these dataclasses in checkpoints (name → class; a name is registered once)."""
+def register(*classes: type, check: Callable[[Any], None] | None = None) -> None:
+    """Allow these dataclasses in checkpoints (name → class; a name is registered once);
+    `check(record)` raises ValueError/TypeError for a decoded record that is malformed."""
     for cls in classes:
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"{cls!r} is not a dataclass")
@@ -36,6 +41,8 @@ def register(*classes: type) -> None:
         if have is not None and have is not cls:
             raise TypeError(f"two checkpoint types named {cls.__name__}: {have!r} and {cls!r}")
         _TYPES[cls.__name__] = cls
+        if check is not None:
+            _CHECKS[cls] = check
 
 
 def _b64(b: bytes) -> str:
@@ -113,6 +120,12 @@ def _decode(x: Any) -> Any:
         for k, v in given.items():  # fields outside __init__ (set after construction)
             if not _field(cls, k).init:
                 object.__setattr__(obj, k, _decode(v))
+        check = _CHECKS.get(cls)
+        if check is not None:
+            try:
+                check(obj)
+            except (ValueError, TypeError) as exc:
+                raise CodecError(f"{cls.__name__}: {exc!s:.300}") from None
         return obj
     return {k: _decode(v) for k, v in x.items()}
 

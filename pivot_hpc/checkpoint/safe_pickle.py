@@ -9,7 +9,9 @@ namespace), so the allow-list is enforced *while unpickling*:
 - `find_class` accepts only the exact (module, name) pairs a genuine megatron checkpoint
   uses (below) and refuses every other global, including any dotted name;
 - `BUILD` may only fill in an instance of one of those classes (never a class, a
-  module or a function: that would rewrite shared state such as `os.environ`);
+  module or a function: that would rewrite shared state such as `os.environ`), through
+  its class's own `__setstate__` or plain attributes, never a dunder one (an instance
+  `__setstate__` planted by one BUILD would be called by the next);
 - persistent ids, out-of-band buffers and copyreg extensions fail as in `pickle`.
 
 `data_only_loads(path)` routes torch DCP's `pickle.load` through that unpickler and forces
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pivot_hpc.errors import PivotError
+from pivot_hpc.safe_files import UnsafeReadError, open_for_read
 
 _DCP = "torch.distributed.checkpoint"
 # Every global a megatron-core 0.16 / torch 2.13 distributed checkpoint's `.metadata`
@@ -99,11 +102,35 @@ class _DataOnlyUnpickler(pickle._Unpickler):  # the Python unpickler: BUILD can 
         return obj
 
     def _load_build(self) -> None:
-        target = self.stack[-2]  # BUILD pops the state and updates the object beneath it
+        state = self.stack.pop()  # BUILD pops the state and updates the object beneath it
+        target = self.stack[-1]
         shared = isinstance(target, type | types.ModuleType | enum.Enum)  # singletons
         if shared or type(target) not in self._classes:
             raise self._refuse(f"sets the state of {type(target).__name__[:60]!r}")
-        pickle._Unpickler.load_build(self)
+        # pickle's own BUILD looks `__setstate__` up on the instance, where an earlier
+        # BUILD can have planted one (any allowed callable: a second BUILD would call it):
+        # only the class's own counts, and no state may name a dunder attribute.
+        setstate = getattr(type(target), "__setstate__", None)
+        if setstate is not None:
+            setstate(target, state)
+            return
+        slots = None
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        for part in (state, slots):
+            if part is None:
+                continue
+            if not isinstance(part, dict):
+                raise self._refuse(
+                    f"gives {type(target).__name__[:60]!r} a state that is no mapping"
+                )
+            for key in part:
+                if not isinstance(key, str) or key.startswith("__"):
+                    raise self._refuse(f"sets attribute {str(key)[:60]!r}")
+        if state:
+            target.__dict__.update(state)
+        for key, value in (slots or {}).items():
+            setattr(target, key, value)
 
     dispatch[pickle.BUILD[0]] = _load_build
 
@@ -125,7 +152,10 @@ def load_metadata(file: Any, source: str | None = None) -> Any:
     except UnsafePickleError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            KeyError, IndexError, MemoryError, RecursionError) as exc:  # fmt: skip
+            KeyError, IndexError, MemoryError, RecursionError, RuntimeError,
+            OverflowError) as exc:  # fmt: skip
+        # RuntimeError: torch's answer to data it refuses (TensorProperties.__setstate__
+        # with an unknown memory format); OverflowError: a number past a C integer
         raise UnsafePickleError(
             f"{name}: not a readable checkpoint metadata pickle ({exc!s:.160})"
         ) from None
@@ -171,8 +201,10 @@ def _check_storage(metadata: Any, source: str) -> None:
 def check_metadata(path: Path) -> None:
     """Raise UnsafePickleError unless the pickle at `path` loads as plain metadata."""
     try:
-        with open(path, "rb") as f:
+        with open_for_read(path) as f:  # a FIFO planted there would block a plain open
             load_metadata(f, str(path))
+    except UnsafeReadError as exc:
+        raise UnsafePickleError(str(exc)) from None
     except OSError as exc:
         raise UnsafePickleError(f"{path}: unreadable ({exc.strerror})") from None
 

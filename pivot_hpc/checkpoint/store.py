@@ -39,10 +39,11 @@ import yaml
 from pivot_hpc.checkpoint.safe_pickle import UnsafePickleError, check_metadata
 from pivot_hpc.config.loader import load_yaml_text, read_yaml_file
 from pivot_hpc.errors import ConfigError, PivotError
-from pivot_hpc.safe_files import open_for_write
+from pivot_hpc.safe_files import UnsafeReadError, open_for_read, open_for_write, special_kind
 
 FORMAT = 2  # 2: JSON state files (1 held pickles and is refused)
 MANIFEST = "manifest.json"
+NAME_MAX = 255  # bytes in one file name component (Linux); a longer name is no file of ours
 _FINAL = re.compile(r"^ckpt-(\d{6})$")
 _TMP = re.compile(r"^\.tmp-ckpt-(\d{6})-\d+$")
 _DELETING = re.compile(r"^\.del-ckpt-\d{6}$")
@@ -111,7 +112,7 @@ def begin(run_dir: str | Path) -> Path:
 
 def _crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with open_for_read(path) as f:
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -157,8 +158,10 @@ def commit(tmp: Path, info: dict[str, Any], config: dict[str, Any], keep: int) -
 def verify(path: Path) -> dict[str, Any]:
     """The manifest of checkpoint `path` after checking every file against it."""
     fix = f"delete {path} to resume from the previous checkpoint, or start a new --run-dir"
+    _check_entries(path, fix)  # before anything in it is opened: no FIFO, device or link
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        with open_for_read(path / MANIFEST) as f:
+            manifest = json.loads(f.read())
     except (OSError, ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else f"{e!s:.200}"
         raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({why}); {fix}") from None
@@ -187,17 +190,13 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} {problem}; {fix}")
     _check_listing(path, manifest, fix)
     for rel, want in manifest["files"].items():
-        p = path / rel
-        if not p.is_file():
-            raise CheckpointError(f"checkpoint {path}: file {rel} is missing; {fix}")
-        size = p.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(
-                f"checkpoint {path}: file {rel} has {size} bytes, the manifest says "
-                f"{want['bytes']} (truncated or overwritten); {fix}"
-            )
-        if _crc32(p) != want["crc32"]:
-            raise CheckpointError(f"checkpoint {path}: file {rel} fails its CRC32 check; {fix}")
+        try:
+            _check_file(path, rel, want, fix)
+        except UnsafeReadError as exc:
+            raise CheckpointError(f"checkpoint {path}: file {rel}: {exc}; {fix}") from None
+        except OSError as exc:  # whatever the file system answers a name: one line
+            why = exc.strerror or type(exc).__name__
+            raise CheckpointError(f"checkpoint {path}: file {rel[:120]!r}: {why}; {fix}") from None
     for meta in sorted(path.rglob("*.metadata")):
         try:
             check_metadata(meta)  # the same unpickler the training ranks load it with
@@ -217,7 +216,8 @@ def _check_train_config(path: Path, fix: str) -> None:
     if not config.is_file():
         return
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
+        with open_for_read(config) as f:
+            data = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         data = None
     if not isinstance(data, dict) or any(data.get(k) != v for k, v in _TRAIN_BACKENDS.items()):
@@ -226,6 +226,46 @@ def _check_train_config(path: Path, fix: str) -> None:
             f"distributed checkpoint config with {_TRAIN_BACKENDS} (what pivot_hpc writes "
             f"and reads); {fix}"
         )
+
+
+def _check_file(path: Path, rel: str, want: dict[str, int], fix: str) -> None:
+    p = path / rel
+    if not p.is_file():
+        raise CheckpointError(f"checkpoint {path}: file {rel} is missing; {fix}")
+    size = p.stat().st_size
+    if size != want["bytes"]:
+        raise CheckpointError(
+            f"checkpoint {path}: file {rel} has {size} bytes, the manifest says "
+            f"{want['bytes']} (truncated or overwritten); {fix}"
+        )
+    if _crc32(p) != want["crc32"]:
+        raise CheckpointError(f"checkpoint {path}: file {rel} fails its CRC32 check; {fix}")
+
+
+def _check_entries(path: Path, fix: str) -> None:
+    """A checkpoint is a directory of directories and regular files: a FIFO (which would
+    block the first read for ever), a socket, a device or a symbolic link anywhere in it,
+    the checkpoint itself included, is refused before anything in it is opened."""
+    kind = special_kind(path)
+    if kind is not None:
+        raise CheckpointError(f"checkpoint {path} is {kind}, not a directory; {fix}")
+    try:
+        for root, dirs, files in os.walk(path, onerror=_raise):
+            for name in sorted(dirs + files):
+                kind = special_kind(os.path.join(root, name))
+                if kind is not None:
+                    rel = os.path.relpath(os.path.join(root, name), path)
+                    raise CheckpointError(
+                        f"checkpoint {path}: {rel[:200]} is {kind} (a checkpoint holds only "
+                        f"its own directories and regular files); {fix}"
+                    )
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise CheckpointError(f"checkpoint {path}: cannot list it ({why}); {fix}") from None
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
 
 
 def _check_listing(path: Path, manifest: dict[str, Any], fix: str) -> None:
@@ -258,6 +298,8 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
         parts = Path(rel).parts
         if Path(rel).is_absolute() or ".." in parts or not parts:
             return f"names {rel[:120]!r}, outside the checkpoint directory"
+        if "\0" in rel or any(len(p.encode("utf-8", "surrogatepass")) > NAME_MAX for p in parts):
+            return f"names {rel[:120]!r}, not a file name (over {NAME_MAX} bytes, or a NUL)"
         if not isinstance(want, dict) or not all(
             type(want.get(k)) is int for k in ("bytes", "crc32")
         ):

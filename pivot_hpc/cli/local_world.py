@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pivot_hpc import interpreter
 from pivot_hpc.config import Config
 
 # Environment that makes OpenMPI + UCX/NIXL behave on CPU machines (docs/platform.md).
@@ -64,16 +65,18 @@ def namespace_prefix() -> tuple[list[str], str | None]:
     if unshare is None:
         return [], "unshare(1) not found (util-linux)"
     cmd = [unshare, "--net"] + (["--map-root-user"] if os.geteuid() != 0 else [])
+    loopback_up = interpreter.python("-m", "pivot_hpc.cli.loopback_up")
     probe = subprocess.run(
-        [*cmd, sys.executable, "-m", "pivot_hpc.cli.loopback_up", "true"],
+        [*cmd, *loopback_up, "true"],
         capture_output=True,
         text=True,
         timeout=30,
+        env=interpreter.environ(),
     )
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["failed"])[-1]
         return [], f"no private network namespace here ({last})"
-    return [*cmd, sys.executable, "-m", "pivot_hpc.cli.loopback_up"], None
+    return [*cmd, *loopback_up], None
 
 
 # Ranks per core a local world may have: the CPU tests run 5+ ranks on 2 cores, and a
@@ -179,7 +182,9 @@ def launch(cfg: Config, world_argv: list[str], run_dir: Path) -> int:
         cmd[1:1] = ["--map-by", f"ppr:{cfg.cluster.ranks_per_node}:node"]
     prefix, why_not = namespace_prefix()
     status_dir = Path(tempfile.mkdtemp(prefix="pivot-hpc-status-"))  # mode 700
-    env = {**os.environ, **MPI_ENV, STATUS_DIR_ENV: str(status_dir)}
+    # PYTHONSAFEPATH: what the ranks start (engine children's workers, multiprocessing's
+    # spawn) leaves the working directory off sys.path too (interpreter.py)
+    env = {**interpreter.environ(), **MPI_ENV, STATUS_DIR_ENV: str(status_dir)}
     where = "a private network namespace (loopback only)" if prefix else "the host network"
     print(f"pivot-hpc: launching {n} ranks in {where}: {mpirun} -n {n} …", flush=True)
     if why_not:

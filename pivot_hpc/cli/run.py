@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from pivot_hpc.config import load_config
@@ -38,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from pivot_hpc.runtime import run_dir as run_dirs
 
     run_dirs.check(run_dir)
+    # whoever owns the run directory decides what a resume reads: refused before anything
+    # in it is opened or announced (a missing one is made, private, further down)
+    run_dirs.check_owned(run_dir)
     if args.in_world or in_mpi_world():
         # each worker sees its own GPU only; CUDA reads this once, so before anything
         # (torch, mpi4py's CUDA-aware paths) can initialise it
@@ -54,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
             os.environ.setdefault("MPI4PY_RC_THREAD_LEVEL", "serialized")
         # tools: the node's sandbox service, started before MPI initialises (no rank
         # forks after MPI_Init); nothing when tools are disabled (runtime/host_tools.py)
+        from pivot_hpc import compile_caches
         from pivot_hpc.runtime.host_tools import start_before_mpi
 
+        compile_caches.install(cfg.models.cache_dir)  # private, before torch compiles
         start_before_mpi(cfg)
         from pivot_hpc.cli.local_world import report_status
         from pivot_hpc.runtime.main import run_in_world
@@ -75,22 +79,28 @@ def run(args: argparse.Namespace) -> int:
         path = getattr(data, key)
         if path not in (None, "synthetic"):
             usable_problems(path, f"rl.data.{key}", Columns(data.prompt_key, data.answer_key))
-    # A checkpoint to resume must be usable (complete, same config) before any rank starts.
-    from pivot_hpc.checkpoint import store
-    from pivot_hpc.config import default_dict, to_dict
+    # The caches every rank loads from, someone else's refused here in one line.
+    from pivot_hpc import compile_caches
+    from pivot_hpc.models import cache_trust
 
-    found = store.find_resume(
-        run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume, defaults=default_dict()
-    )
+    cache_trust.check(cfg.models)
+    compile_caches.resolved(cache_dir=cfg.models.cache_dir)
+    # A checkpoint to resume must be usable (complete, same config, every record within
+    # its models) before any rank starts.
+    from pivot_hpc.runtime.checkpoint_records import find_resume
+
+    found = find_resume(run_dir, cfg)
     if found is not None:
         print(
             f"pivot-hpc: {run_dir} has checkpoint {found[0].name} (step "
             f"{found[1]['step']}): resuming",
             flush=True,
         )
+    from pivot_hpc import interpreter
     from pivot_hpc.cli.local_world import launch
 
     run_dirs.prepare(run_dir, cfg.checkpoint.private_run_dir)
 
-    world_argv = [sys.executable, "-m", "pivot_hpc", "run", args.config, "--run-dir"]
+    # -P: no rank imports a module planted in the working directory (interpreter.py)
+    world_argv = interpreter.python("-m", "pivot_hpc", "run", args.config, "--run-dir")
     return launch(cfg, [*world_argv, str(run_dir), "--in-world", *args.overrides], run_dir)

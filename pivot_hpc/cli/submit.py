@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -50,6 +51,7 @@ from typing import Any
 
 from submitit.helpers import Checkpointable
 
+from pivot_hpc import interpreter
 from pivot_hpc.config import Config, from_dict, load_config, to_dict, validate_tree
 from pivot_hpc.errors import PivotError, UsageError
 from pivot_hpc.runtime import run_dir as run_dirs
@@ -138,7 +140,10 @@ class PivotJob(Checkpointable):
             )
         cfg = self.make_config()
         run_dirs.prepare(run_dir, cfg.checkpoint.private_run_dir)
+        from pivot_hpc import compile_caches
         from pivot_hpc.runtime.host_tools import start_before_mpi
+
+        compile_caches.install(cfg.models.cache_dir)  # private, before torch compiles
 
         start_before_mpi(cfg)  # tools: the node's sandbox service, before MPI initialises
         code = run_in_world(cfg, run_dir)
@@ -239,6 +244,7 @@ def submit(
             'then export OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}" UCX_MODULES="${UCX_MODULES:-^ib}" '
             'MPI4PY_RC_THREAD_LEVEL="${MPI4PY_RC_THREAD_LEVEL:-serialized}"; fi',
             'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1',
+            *_safe_path_exports(),
         ],
         # USR1 to every task (not USR2 to submitit's handler); requeueable by us
         "additional_parameters": {
@@ -258,11 +264,22 @@ def submit(
     os.umask(umask)
     try:
         run_dirs.prepare(run_dir, cfg.checkpoint.private_run_dir)
-        executor = submitit.SlurmExecutor(folder=run_dir / "slurm")
+        # -P: submitit's runner, on every task, imports no module from the directory the
+        # job was submitted from (interpreter.py)
+        python = shlex.join(interpreter.python())
+        executor = submitit.SlurmExecutor(folder=run_dir / "slurm", python=python)
         executor.update_parameters(**params)
         return executor.submit(PivotJob(cfg, str(run_dir), max_requeues))
     finally:
         os.umask(umask)  # a library call leaves its caller's umask as it was
+
+
+def _safe_path_exports() -> list[str]:
+    """The batch script's lines that give every task what interpreter.environ() gives a
+    local world: PYTHONSAFEPATH, and pivot_hpc's directory where only the cwd held it."""
+    env = interpreter.environ()
+    changed = [k for k in ("PYTHONSAFEPATH", "PYTHONPATH") if env.get(k) != os.environ.get(k)]
+    return [f"export {k}={shlex.quote(env[k])}" for k in changed]
 
 
 def _parse_sbatch(items: list[str]) -> dict[str, str]:

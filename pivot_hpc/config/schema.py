@@ -12,6 +12,7 @@ from typing import Literal
 
 from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.checkpoint.config import CheckpointConfig
+from pivot_hpc.config.code_keys import refuse_code_args
 from pivot_hpc.config.loader import ConfigError, fail
 from pivot_hpc.coordinator.config import DeploymentConfig, LoopConfig
 from pivot_hpc.engines.config import EnginesConfig
@@ -246,6 +247,8 @@ class Config:
         # the parts the cross-field rules below divide by, checked first (children are
         # validated after their parent)
         self.cluster.validate("cluster")
+        for role in ("rollout", "reward"):  # a config may not name code (config/code_keys.py)
+            refuse_code_args(f"engines.{role}", getattr(self.engines, role))
         for role in ("rollout", "reward"):
             if getattr(self, role).tp < 1:
                 fail(f"{role}.tp", getattr(self, role).tp, "must be >= 1")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from pivot_hpc import private_dirs
+from pivot_hpc.models import cache_trust
 from pivot_hpc.models.config import ModelsConfig, TinyModelSpec
 from pivot_hpc.models.qwen2 import create_model
 from pivot_hpc.models.tokenizer import build_tokenizer
@@ -67,9 +69,11 @@ def ensure_model(cfg: ModelsConfig, kind: str, progress: bool = True) -> Path:
     if real is not None:
         return Path(real)
     final = model_dir(cfg, kind)
+    root = cache_trust.check_root(cfg.cache_dir)  # someone else's cache: refused, one line
+    cache_trust.check_entry(final)
     if (final / "meta.json").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    private_dirs.ensure(final.parent, "the model cache", cache_trust.FIX, up_to=root)
     if progress:
         steps = getattr(cfg, kind).sft.steps
         print(

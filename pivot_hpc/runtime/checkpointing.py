@@ -31,14 +31,17 @@ from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SeqResult
 from pivot_hpc.rl.rewards import GenRMStats
+from pivot_hpc.runtime.checkpoint_records import RECORD_CHECKS
 from pivot_hpc.runtime.live_samples import LivePayload
-from pivot_hpc.safe_files import open_for_write
+from pivot_hpc.safe_files import open_for_read, open_for_write
 
 RL_STATE = "rl_state.json"
 RANKS = "ranks.json"
-codec.register(Sample, LivePayload, Problem, SeqResult, GenRMStats)
-# tools.enabled: a sample's trajectory is saved as data (agentic/trajectory.py)
-codec.register(Trajectory, Segment, CallRecord, TrajectoryLimits)
+# The records a checkpoint holds (with tools.enabled a sample's trajectory too, as data:
+# agentic/trajectory.py), each checked as input when it is decoded (checkpoint_records.py).
+_RECORDS = (Sample, LivePayload, Problem, SeqResult, GenRMStats)
+for _cls in (*_RECORDS, Trajectory, Segment, CallRecord, TrajectoryLimits):
+    codec.register(_cls, check=RECORD_CHECKS[_cls])
 
 
 def coordinator_rng() -> dict[str, Any]:
@@ -172,13 +175,14 @@ def load_rl_state(path: Path) -> dict[str, Any]:
 
 def load_state(path: Path, name: str) -> Any:
     """A checkpoint's JSON state file, decoded into registered types only."""
-    f = path / name
+    fix = f"delete {path} to resume from the previous checkpoint, or start a new --run-dir"
     try:
-        return codec.loads(f.read_bytes(), str(f))
+        with open_for_read(path / name) as f:  # a regular file: never a FIFO or a link
+            return codec.loads(f.read(), name)
     except OSError as exc:
         raise store.CheckpointError(f"checkpoint {path}: cannot read {name} ({exc})") from None
     except codec.CodecError as exc:
-        raise store.CheckpointError(f"checkpoint {path}: {exc}") from None
+        raise store.CheckpointError(f"checkpoint {path}: {exc}; {fix}") from None
 
 
 def restore(path: Path, step: int, cluster, rl, samples) -> tuple[dict[str, Any], dict]:

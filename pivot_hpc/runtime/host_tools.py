@@ -36,9 +36,10 @@ import sys
 import time
 from collections.abc import Mapping
 
+from pivot_hpc import interpreter
 from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.agentic.messages import ToolCall, ToolResult
-from pivot_hpc.agentic.service import LineReader, decode_result, encode
+from pivot_hpc.agentic.service import MAX_LINE_BYTES, LineReader, decode_result, encode
 from pivot_hpc.config import Config
 from pivot_hpc.errors import PivotError
 
@@ -77,6 +78,7 @@ class HostToolService:
         self._answers: list[ToolResult] = []  # answered here (service gone), not yet polled
         self.ready: bool | None = None  # None until the service's hello arrives
         self.isolation = ""
+        self.dumpable: bool | None = None  # the service's, from its hello (False: as it should)
         self._dead: str | None = None
         self._closed = False
 
@@ -85,11 +87,15 @@ class HostToolService:
         """Start the service process (fork+exec; before MPI initialises)."""
         ours, theirs = socket.socketpair()  # both close-on-exec; `theirs` is passed
         config = json.dumps(dataclasses.asdict(tools))
-        argv = [sys.executable, "-m", "pivot_hpc.agentic.service"]
+        argv = interpreter.python("-m", "pivot_hpc.agentic.service")  # -P: no module from the cwd
         argv += ["--fd", str(theirs.fileno()), "--node", str(node), "--config", config]
         try:
             proc = subprocess.Popen(
-                argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True
+                argv,
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                env=interpreter.environ(),
             )
         except OSError as exc:
             ours.close()
@@ -138,8 +144,13 @@ class HostToolService:
         if self._dead is not None:
             self._answers.append(self._unavailable(call.call_id))
             return
+        line = encode(call)
+        if len(line) > MAX_LINE_BYTES:  # the service would refuse it unread: say so here
+            why = f"refused: the call is longer than {MAX_LINE_BYTES} bytes"
+            self._answers.append(ToolResult(call.call_id, "error", why, 0.0))
+            return
         self._pending.add(call.call_id)
-        data = memoryview(encode(call))
+        data = memoryview(line)
         while data and self._dead is None:
             try:
                 data = data[self._sock.send(data) :]
@@ -164,16 +175,16 @@ class HostToolService:
         out = []
         lines: list[bytes] = []
         if self._dead is None:
-            try:
-                lines = self._reader.read()
-            except ValueError as exc:
-                self._die(str(exc))
+            lines = self._reader.read()
+            if self._reader.take_overlong():  # results are capped far below it
+                self._die(f"it sent a line longer than {MAX_LINE_BYTES} bytes")
         for line in lines:
             try:
                 data = json.loads(line)
                 if "ready" in data:
                     self.ready = bool(data["ready"])
                     self.isolation = str(data.get("isolation", ""))
+                    self.dumpable = data.get("dumpable")
                     if not self.ready:
                         self._die(str(data.get("error", "no reason given")))
                     continue

@@ -19,8 +19,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from pivot_hpc.checkpoint import store
-from pivot_hpc.config import Config, default_dict, to_dict
+from pivot_hpc.config import Config
 from pivot_hpc.errors import PivotError
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.library_noise import route_to_log
@@ -129,10 +128,9 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
 
 
 def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
+    from pivot_hpc.runtime.checkpoint_records import find_resume
 
-    found = store.find_resume(
-        run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume, defaults=default_dict()
-    )
+    found = find_resume(run_dir, cfg)  # complete, same config, every record usable
     if found is None:
         return None
     path, manifest = found

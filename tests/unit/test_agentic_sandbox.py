@@ -479,3 +479,37 @@ def test_isolation_is_reported():
         f"({iso.detail}); python {sys.version.split()[0]}"
     )
     assert iso.detail
+
+
+# What a tool can open of the process that spawned it (issue 49, finding 11): root reads
+# and writes any process's memory and environment through /proc unless it lost its
+# capabilities (a user namespace of its own).
+PROC_PEEK = r"""
+import os, sys
+spawner = int(sys.stdin.read())
+out = []
+for name, flags in (("mem", os.O_RDWR), ("environ", os.O_RDONLY)):
+    try:
+        os.close(os.open(f"/proc/{spawner}/{name}", flags))
+        out.append(name + " opened")
+    except OSError as exc:
+        out.append(name + " " + type(exc).__name__)
+print("; ".join(out))
+"""
+
+
+@pytest.mark.timeout(30)
+def test_a_tool_cannot_open_its_spawners_memory():
+    iso = detect_isolation()
+    if not iso.network:
+        pytest.skip(iso.detail)
+    assert "--map-root-user" in iso.prefix, iso.detail  # a user namespace, for root too
+    me = str(os.getpid()).encode()
+    result = run_tool(PROC_PEEK, me, SandboxLimits(), isolation=iso)
+    assert (result.status, result.text) == (
+        "ok",
+        "mem PermissionError; environ PermissionError",
+    ), result
+    if os.geteuid() == 0:  # without the namespace root could: the test would prove nothing
+        bare = run_tool(PROC_PEEK, me, SandboxLimits(), isolation=NO_ISOLATION)
+        assert bare.text == "mem opened; environ opened", bare

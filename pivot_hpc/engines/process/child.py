@@ -22,8 +22,8 @@ it exits and the rank once the process is gone, however it went (a rank that die
 closes the pipe: its child exits and removes it). vLLM's in-process engine core meets its
 one-rank torch.distributed group through a `vllm_dist_<uuid>` file store in the temporary
 directory, which only the store's destructor removes; a child ends with `os._exit` (or
-SIGKILL), so every vLLM start used to leave one behind. Torch inductor's compile cache
-stays where the rank's is (TORCHINDUCTOR_CACHE_DIR): a restart compiles nothing again.
+SIGKILL), so every vLLM start used to leave one behind. The compile caches stay where the
+rank's are (private, checked: pivot_hpc/compile_caches.py): a restart compiles nothing again.
 
 `ChildTrainer` runs the training engine (`rl.trainer.process: child`) through the same
 machinery (`_ChildProcess`: spawn, calls, liveness, watchdog, `_died`; `kind` "train"
@@ -36,11 +36,9 @@ in progress would otherwise hold its GPU until it ends).
 
 from __future__ import annotations
 
-import getpass
 import logging
 import os
 import pickle
-import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +47,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pivot_hpc import compile_caches
 from pivot_hpc.engines.base import STORE_ENV, InferenceEngine, SupervisedTrainer, Tensors
 from pivot_hpc.engines.forwarding import forward
 from pivot_hpc.engines.process.job_signals import spawn_shielded
@@ -101,7 +100,7 @@ class _ChildProcess:
             for k, v in os.environ.items()
             if not k.startswith(_MPI_ENV) and k not in _DIST_ENV and k != STORE_ENV
         }
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+        env.update(compile_caches.resolved(env))  # private compile caches, checked
         env.update(env_extra or {})
         if pdeathsig:
             env[PARENT_ENV] = str(os.getpid())
@@ -338,15 +337,9 @@ def _on_cpu(tensors: Tensors) -> dict[str, Any]:
 
 
 def _inductor_cache_dir() -> str:
-    """Torch inductor's default cache directory as the rank sees it (torch's
-    cache_dir_utils.default_cache_dir, outside fbcode): the child's TMPDIR is its own."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, ModuleNotFoundError, OSError):
-        user = f"uid_{os.getuid()}"
-    return os.path.join(
-        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
-    )
+    """Torch inductor's cache directory as the rank's children get it: private, checked
+    (pivot_hpc/compile_caches.py), never torch's shared /tmp default."""
+    return compile_caches.resolved()["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def _rank_log_fd() -> int | None:

@@ -1,0 +1,383 @@
+"""Each record a checkpoint holds, checked as input before any rank uses it.
+
+The codec (checkpoint/codec.py) rebuilds only registered dataclasses, but a constructor
+takes whatever it is given: a trajectory with a token id of -5, a string where a count
+belongs. Left to the ranks, that ends deep in the job (an IndexError in torch.embedding on
+the training rank, an MPI abort), and then in a loop, because "running the same command"
+loads the same checkpoint again. So:
+
+- every record is checked as it is decoded (`RECORD_CHECKS`, registered with the codec by
+  runtime/checkpointing.py): a trajectory through `Trajectory.from_dict`'s own checks, the
+  others field by field;
+- before any rank starts (the launcher, and world rank 0 under srun or submitit), the state
+  files are decoded whole (`check_resume`): the RL state's shape, every token id within its
+  model's vocabulary, every sequence within its model's positions, each rank's RNG states
+  loadable.
+
+Each refusal is one line naming the checkpoint, the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pivot_hpc.agentic.tools import MAX_CALL_CHARS
+from pivot_hpc.agentic.trajectory import CallRecord, Segment, Trajectory, TrajectoryLimits
+from pivot_hpc.checkpoint import store
+from pivot_hpc.checkpoint.store import CheckpointError
+from pivot_hpc.config import Config
+from pivot_hpc.coordinator.rl_state import RLState, Sample
+from pivot_hpc.data.problem import Problem
+from pivot_hpc.engines.base import SeqResult
+from pivot_hpc.rl.rewards import GenRMStats
+from pivot_hpc.runtime.live_samples import LivePayload
+
+FINISH_REASONS = ("stop", "length", "abort")  # engines/base.FinishReason
+ROLES = {"rollout": "policy", "reward": "genrm"}  # a partial sequence's role: its model
+
+
+# ---------------------------------------------------------------------- field checks
+def _int(what: str, v: Any, low: int = 0) -> None:
+    if type(v) is not int or v < low:
+        raise ValueError(f"{what}: expected a whole number >= {low}, got {_short(v)}")
+
+
+def _number(what: str, v: Any) -> None:
+    if type(v) not in (int, float):
+        raise ValueError(f"{what}: expected a number, got {_short(v)}")
+
+
+def _bool(what: str, v: Any) -> None:
+    if type(v) is not bool:
+        raise ValueError(f"{what}: expected true or false, got {_short(v)}")
+
+
+def _str(what: str, v: Any, *, optional: bool = False) -> None:
+    if not (type(v) is str or (optional and v is None)):
+        raise ValueError(f"{what}: expected a string, got {_short(v)}")
+
+
+def _ids(what: str, v: Any) -> None:
+    if type(v) is not list or not all(type(t) is int and t >= 0 for t in v):
+        bad = next((t for t in v if type(t) is not int or t < 0), v) if type(v) is list else v
+        raise ValueError(f"{what}: expected a list of token ids, holds {_short(bad)}")
+
+
+def _numbers(what: str, v: Any, n: int) -> None:
+    if type(v) is not list or len(v) != n or not all(type(x) in (int, float) for x in v):
+        raise ValueError(f"{what}: expected {n} numbers, one per token")
+
+
+def _short(v: Any) -> str:
+    text = repr(v) if not isinstance(v, list | dict | str) or len(v) < 8 else type(v).__name__
+    return text[:60]
+
+
+# ---------------------------------------------------------------------- record checks
+def check_limits(r: TrajectoryLimits) -> None:
+    for name in ("max_turns", "max_context_tokens", "max_tool_output_tokens"):
+        _int(f"limits.{name}", getattr(r, name), 1)
+
+
+def check_segment(s: Segment) -> None:
+    if s.kind not in ("gen", "obs"):
+        raise ValueError(f"segment kind {_short(s.kind)}: expected 'gen' or 'obs'")
+    _ids("segment token_ids", s.token_ids)
+    if s.logprobs is not None:
+        _numbers("segment logprobs", s.logprobs, len(s.token_ids))
+    if s.version is not None:
+        _int("segment version", s.version)
+    _bool("segment truncated", s.truncated)
+
+
+def check_call(c: CallRecord) -> None:
+    _int("call call_id", c.call_id)
+    _str("call tool", c.tool)
+    _str("call args_json", c.args_json)
+    # a call is reissued on resume exactly as saved: no longer than a live call may be
+    if len(c.args_json) > MAX_CALL_CHARS:
+        raise ValueError(f"call args_json: {len(c.args_json)} characters, over {MAX_CALL_CHARS}")
+    _bool("call idempotent", c.idempotent)
+    _bool("call replayable", c.replayable)
+    _str("call status", c.status, optional=True)
+    if c.seconds is not None:
+        _number("call seconds", c.seconds)
+
+
+def check_trajectory(t: Trajectory) -> None:
+    """`Trajectory.from_dict`'s checks (checkpoint data is input), on the decoded record."""
+    if not (
+        isinstance(t.limits, TrajectoryLimits)
+        and type(t.segments) is list
+        and all(isinstance(s, Segment) for s in t.segments)
+        and type(t.calls) is list
+        and all(isinstance(c, CallRecord) for c in t.calls)
+    ):
+        raise ValueError("limits, segments and calls must be its own records")
+    try:
+        Trajectory.from_dict(t.to_dict())
+    except (TypeError, AttributeError) as exc:
+        raise ValueError(f"trajectory: malformed ({exc!s:.100})") from None
+
+
+def check_seq_result(r: SeqResult) -> None:
+    _int("sequence seq_id", r.seq_id)
+    _ids("sequence prompt_ids", r.prompt_ids)
+    _ids("sequence token_ids", r.token_ids)
+    _numbers("sequence logprobs", r.logprobs, len(r.token_ids))
+    if r.finish_reason not in FINISH_REASONS:
+        raise ValueError(f"sequence finish_reason {_short(r.finish_reason)}")
+    _int("sequence version", r.version)
+
+
+def check_problem(p: Problem) -> None:
+    for name in ("prompt", "answer", "uid", "question"):
+        _str(f"problem {name}", getattr(p, name))
+    if type(p.messages) is not tuple or not all(
+        type(m) is tuple and len(m) == 2 and all(type(x) is str for x in m) for m in p.messages
+    ):
+        raise ValueError("problem messages: expected (role, content) pairs of strings")
+
+
+def check_payload(p: LivePayload) -> None:
+    if not isinstance(p.problem, Problem):
+        raise ValueError(f"payload problem: a {type(p.problem).__name__}, not a Problem")
+    _ids("payload prompt_ids", p.prompt_ids)
+    if p.response is not None and not isinstance(p.response, SeqResult):
+        raise ValueError(f"payload response: a {type(p.response).__name__}, not a SeqResult")
+    _ids("payload judge_ids", p.judge_ids)
+    _str("payload judgement", p.judgement)
+    if p.traj is not None and not isinstance(p.traj, Trajectory):
+        raise ValueError(f"payload traj: a {type(p.traj).__name__}, not a Trajectory")
+
+
+_SAMPLE_INTS = {
+    "sample_id": 0,
+    "step": 0,
+    "prompt_index": 0,
+    "group": 0,
+    "prompt_len": 0,
+    "version_start": -1,
+    "response_len": 0,
+    "judgement_len": 0,
+    "reward_context": 0,
+    "trained_at": -1,
+    "turn": 0,
+    "context_len": 0,
+    "tool_calls": 0,
+}
+
+
+def check_sample(s: Sample) -> None:
+    for name, low in _SAMPLE_INTS.items():
+        _int(f"sample {name}", getattr(s, name), low)
+    for name in ("reward_verifiable", "reward_genrm"):
+        _number(f"sample {name}", getattr(s, name))
+    for name in ("rolled_out", "rewarded"):
+        _bool(f"sample {name}", getattr(s, name))
+    if s.payload is not None and not isinstance(s.payload, LivePayload):
+        raise ValueError(f"sample payload: a {type(s.payload).__name__}, not a live payload")
+
+
+def check_genrm_stats(g: GenRMStats) -> None:
+    _int("genrm_stats judged", g.judged)
+    _int("genrm_stats unparsable", g.unparsable)
+    if type(g.examples) is not list or not all(type(x) is str for x in g.examples):
+        raise ValueError("genrm_stats examples: expected a list of strings")
+
+
+RECORD_CHECKS: dict[type, Callable[[Any], None]] = {
+    Sample: check_sample,
+    LivePayload: check_payload,
+    Problem: check_problem,
+    SeqResult: check_seq_result,
+    GenRMStats: check_genrm_stats,
+    Trajectory: check_trajectory,
+    Segment: check_segment,
+    CallRecord: check_call,
+    TrajectoryLimits: check_limits,
+}
+
+
+# ---------------------------------------------------------------------- before launch
+def find_resume(run_dir: Path, cfg: Config) -> tuple[Path, dict[str, Any]] | None:
+    """(path, manifest) of the checkpoint `cfg` resumes in `run_dir` (store.find_resume:
+    complete, same config), its records checked (`check_resume`); None for a fresh run."""
+    from pivot_hpc.config import default_dict, to_dict
+
+    found = store.find_resume(
+        run_dir, to_dict(cfg), allowed=cfg.checkpoint.resume, defaults=default_dict()
+    )
+    if found is not None:
+        check_resume(found[0], cfg)
+    return found
+
+
+def check_resume(path: Path, cfg: Config) -> None:
+    """CheckpointError (one line) unless checkpoint `path`'s state files hold records this
+    run can use: decoded whole, every token id and sequence length within its model."""
+    from pivot_hpc.runtime.checkpointing import RANKS, RL_STATE, load_state
+
+    fix = f"delete {path} to resume from the previous checkpoint, or start a new --run-dir"
+    state = load_state(path, RL_STATE)  # each record checked as it is decoded
+    try:
+        sequences = _rl_shape(state)
+        for kind, what, ids in sequences:
+            _within(kind, what, ids, _model_bounds(cfg, kind))
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path}: {RL_STATE}: {exc}; {fix}") from None
+    ranks = load_state(path, RANKS)
+    try:
+        _ranks_shape(ranks)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path}: {RANKS}: {exc}; {fix}") from None
+
+
+Sequences = list[tuple[str, str, list[int]]]  # (model kind, what it is, token ids)
+
+
+def _rl_shape(state: Any) -> Sequences:
+    if type(state) is not dict or not {"rl", "partials", "rewards", "genrm_stats"} <= set(state):
+        raise ValueError("expected the keys rl, partials, rewards and genrm_stats")
+    rl = state["rl"]
+    if type(rl) is not dict:
+        raise ValueError("rl: expected a mapping")
+    for key in RLState.SAVED:
+        if key not in rl and key not in RLState.ADDED_LATER:
+            raise ValueError(f"rl.{key}: missing")
+    for key in ("version", "released", "data_cursor", "next_sample_id"):
+        _int(f"rl.{key}", rl[key])
+    for key in ("rewarded_count", "filtered", "resampled"):
+        counts = rl.get(key, {})
+        if type(counts) is not dict or not all(
+            type(k) is int and type(v) is int for k, v in counts.items()
+        ):
+            raise ValueError(f"rl.{key}: expected a mapping of step to count")
+    batches = rl["batches"]
+    if type(batches) is not dict:
+        raise ValueError("rl.batches: expected a mapping of step to samples")
+    out: Sequences = []
+    for step, samples in batches.items():
+        _int("rl.batches step", step)
+        if type(samples) is not list or not all(isinstance(s, Sample) for s in samples):
+            raise ValueError(f"rl.batches[{step}]: expected a list of samples")
+        for s in samples:
+            out += _payload_sequences(s)
+    partials = state["partials"]
+    if type(partials) is not dict:
+        raise ValueError("partials: expected a mapping")
+    for key, res in partials.items():
+        if not (type(key) is tuple and len(key) == 2 and key[0] in ROLES and type(key[1]) is int):
+            raise ValueError(f"partials: key {_short(key)}, expected (role, sequence id)")
+        if not isinstance(res, SeqResult):
+            raise ValueError(f"partials[{key}]: a {type(res).__name__}, not a sequence")
+        out.append((ROLES[key[0]], f"partial {key[0]} sequence {key[1]}", _seq(res)))
+    if type(state["rewards"]) is not list:
+        raise ValueError("rewards: expected a list of numbers")
+    for r in state["rewards"]:
+        _number("rewards", r)
+    if not isinstance(state["genrm_stats"], GenRMStats):
+        raise ValueError("genrm_stats: expected the GenRM's counts")
+    return out
+
+
+def _seq(r: SeqResult) -> list[int]:
+    return [*r.prompt_ids, *r.token_ids]
+
+
+def _payload_sequences(s: Sample) -> Sequences:
+    p = s.payload
+    if p is None:
+        return []
+    where = f"sample {s.sample_id}"
+    out = [("policy", f"{where} prompt", p.prompt_ids), ("genrm", f"{where} judge", p.judge_ids)]
+    if p.response is not None:
+        out.append(("policy", f"{where} response", _seq(p.response)))
+    if p.traj is not None:
+        out.append(("policy", f"{where} trajectory", p.traj.context_ids()))
+    return out
+
+
+def _within(kind: str, what: str, ids: list[int], bounds: tuple[int, int]) -> None:
+    vocab, positions = bounds
+    high = max(ids, default=-1)
+    if high >= vocab:
+        raise ValueError(f"{what}: token id {high}, outside the {kind}'s vocabulary of {vocab}")
+    if len(ids) > positions:
+        raise ValueError(f"{what}: {len(ids)} tokens, more than the {kind}'s {positions}")
+
+
+_BOUNDS: dict[tuple[int, str], tuple[int, int]] = {}
+
+
+def _model_bounds(cfg: Config, kind: str) -> tuple[int, int]:
+    """(vocabulary size, positions) of model `kind`: the tiny model's architecture, or the
+    configured directory's config.json."""
+    key = (id(cfg), kind)
+    if key not in _BOUNDS:
+        real = getattr(cfg.models, f"{kind}_path")
+        if real is None:
+            arch = getattr(cfg.models, kind).arch
+            _BOUNDS[key] = (arch.vocab_size, arch.max_position_embeddings)
+        else:
+            try:
+                c = json.loads((Path(real) / "config.json").read_text(encoding="utf-8"))
+                c = c.get("text_config", c)  # multimodal configs nest the language model's
+                _BOUNDS[key] = (int(c["vocab_size"]), int(c.get("max_position_embeddings", 2**31)))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                _BOUNDS[key] = (2**31, 2**31)  # unreadable: the model's own load says why
+    return _BOUNDS[key]
+
+
+# ---------------------------------------------------------------------- RNG states
+def _ranks_shape(ranks: Any) -> None:
+    if type(ranks) is not dict or not all(type(k) is int and k >= 0 for k in ranks):
+        raise ValueError("expected a mapping of world rank to RNG states")
+    for rank, state in ranks.items():
+        if type(state) is not dict:
+            raise ValueError(f"rank {rank}: expected a mapping of RNG states")
+        if rank == 0:
+            _loads("rank 0 python", lambda s=state: random.Random().setstate(s["python"]))
+            _loads("rank 0 numpy", lambda s=state: _numpy_state(s["numpy"]))
+        else:
+            engines = state.get("engines")
+            if type(engines) is not dict:
+                raise ValueError(f"rank {rank}: engines: expected a mapping of role to state")
+            for role, s in engines.items():
+                _loads(f"rank {rank} {role} engine", lambda s=s: _engine_state(s))
+        _loads(f"rank {rank} torch", lambda s=state: _torch_state(s["torch"]))
+
+
+def _loads(what: str, load: Callable[[], None]) -> None:
+    try:
+        load()
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
+        raise ValueError(f"{what} RNG state does not load ({exc!s:.80})") from None
+
+
+def _numpy_state(state: Any) -> None:
+    import numpy as np
+
+    np.random.RandomState().set_state(state)
+
+
+def _torch_state(state: Any) -> None:
+    import torch
+
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        raise TypeError("not a byte tensor")
+    torch.Generator().set_state(state)
+
+
+def _engine_state(state: Any) -> None:
+    """An hf engine's generator state, or a vllm engine's seed and request count."""
+    if type(state) is dict:
+        for key in ("seed", "requests"):
+            if type(state.get(key)) is not int:
+                raise TypeError(f"{key}: expected a whole number")
+        return
+    _torch_state(state)
