@@ -12,6 +12,7 @@ from pivot_hpc.checkpoint import codec
 from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.hooks import Hooks
 from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.runtime.checkpoint_records import allow_payload
 from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.run import build
 from pivot_hpc.sim.workload import SimPayload
@@ -20,6 +21,7 @@ from tests.sim.trained import run_collecting
 
 DS = ["rl.grpo.dynamic_sampling=true"]
 codec.register(Sample, SimPayload)
+allow_payload(SimPayload)  # this module checkpoints simulated samples
 
 
 def groups_of(batch):

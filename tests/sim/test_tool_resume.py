@@ -17,6 +17,7 @@ from pivot_hpc.checkpoint import codec
 from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.hooks import Hooks
 from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.runtime.checkpoint_records import allow_payload
 from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.workload import SimPayload
 from pivot_hpc.telemetry import open_run
@@ -24,6 +25,7 @@ from tests.sim.test_simulator import tiny
 from tests.unit.test_tool_resume import call, declared, live, turn  # noqa: F401
 
 codec.register(Sample, SimPayload)
+allow_payload(SimPayload)  # this module checkpoints simulated samples
 TOOLS = [
     "tools.enabled=true",
     "sim.workload.tool_calls_mean=1.5",

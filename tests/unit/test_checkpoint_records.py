@@ -116,7 +116,7 @@ def test_the_reviewers_trajectory_is_refused_as_it_is_decoded() -> None:
         (SeqResult(1, [1], [5], [0.0], "exploded"), "finish_reason"),
         (Problem("p", 4), "problem answer"),  # type: ignore[arg-type]
         (GenRMStats(judged=-1), "genrm_stats judged"),
-        (Sample(1, 1, 1, 0, 2, payload="x"), "not a live payload"),
+        (Sample(1, 1, 1, 0, 2, payload="x"), "not one of"),
     ],
     ids=lambda v: v if isinstance(v, str) else type(v).__name__,
 )
