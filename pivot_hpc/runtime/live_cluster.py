@@ -369,9 +369,9 @@ class LiveCluster:
         checked = self._gather(ranks, msg.CheckTrainer(), msg.TrainerChecked)
         if all(m.alive for m in checked.values()):
             return
-        closed = self._gather(ranks, msg.CloseTrainer(), msg.TrainerClosed)
+        self._gather(ranks, msg.CloseTrainer(), msg.TrainerClosed)
         self._trainer_generation += 1
-        start = msg.StartTrainer(self._trainer_generation, closed[ranks[0]].address)
+        start = msg.StartTrainer(self._trainer_generation)
         self._gather(ranks, start, msg.TrainerStarted)
 
     # -------------------------------------------------------------- events

@@ -74,7 +74,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         dirs = comm.bcast(dirs, root=0)
         from pivot_hpc.runtime.training_world import rendezvous
 
-        rendezvous(comm, cfg, lay)
+        rendezvous(comm, cfg, run_dir)
         from pivot_hpc.gps import GlobalParameterStorage, ModelSpec
         from pivot_hpc.runtime.training_world import run_optimizer_models
 

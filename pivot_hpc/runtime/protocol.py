@@ -131,12 +131,11 @@ class CloseTrainer:
 
 @dataclass(frozen=True, slots=True)
 class StartTrainer:
-    """Start a new trainer child in the training world of `generation`, meeting at
-    `address` (host, port) across nodes (None: a file store on one node), refit from GPS
-    as this rank's role needs it."""
+    """Start a new trainer child in the training world of `generation` (it meets at that
+    generation's file store: runtime/training_world.py), refit from GPS as this rank's
+    role needs it."""
 
     generation: int
-    address: tuple[str, int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,10 +244,7 @@ class TrainerChecked:
 
 @dataclass(frozen=True, slots=True)
 class TrainerClosed:
-    """`address`: where the next world meets across nodes, found free by the first rank
-    that may train on its host (None from the others, and on one node)."""
-
-    address: tuple[str, int] | None
+    """This rank's trainer child is gone (the next generation may start)."""
 
 
 @dataclass(frozen=True, slots=True)

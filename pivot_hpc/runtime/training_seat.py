@@ -96,15 +96,13 @@ class TrainingSeat:
         if self.trainer is not None:
             self.trainer.close()
 
-    def _make_trainer(self, address: tuple[str, int] | None = None) -> SupervisedTrainer:
+    def _make_trainer(self) -> SupervisedTrainer:
         from pivot_hpc.engines.factory import make_trainer
         from pivot_hpc.models.qwen2 import model_config_of
         from pivot_hpc.models.zoo import load_model
 
         model, _ = load_model(self.policy_dir)
-        env = self.world.trainer_env(
-            self.rank, child=self.child, generation=self._generation, address=address
-        )
+        env = self.world.trainer_env(self.rank, child=self.child, generation=self._generation)
         return make_trainer(
             self.cfg,
             model_config_of(model),
@@ -293,13 +291,12 @@ class TrainingSeat:
         """`CheckTrainer`'s answer: no death reported that was not replaced yet."""
         return not self._lost
 
-    def close_for_replacement(self) -> tuple[str, int] | None:
-        """`CloseTrainer`: end this generation's child; where the next one meets."""
+    def close_for_replacement(self) -> None:
+        """`CloseTrainer`: end this generation's child."""
         self.trainer.close()
         self._lost = True  # gone on purpose: no death to report
-        return self.world.next_address(self.rank)
 
-    def start(self, generation: int, address: tuple[str, int] | None) -> None:
+    def start(self, generation: int) -> None:
         """A new trainer child in the world of `generation` (every rank that may train
         starts one at once, after all closed theirs), with the step groups formed so far,
         refit from GPS as the role needs it: the current policy and the optimizer state
@@ -309,7 +306,7 @@ class TrainingSeat:
         trains on from exactly where it was."""
         t0 = time.perf_counter()
         self._generation = generation
-        self.trainer = trainer = self._make_trainer(address)
+        self.trainer = trainer = self._make_trainer()
         for members in self._formed:
             trainer.form_groups(members)
         version = self.gps.version("policy")

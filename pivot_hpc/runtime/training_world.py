@@ -1,11 +1,13 @@
 """The training world: the ranks that may train, where their torch.distributed world
 meets, and how a replica that joins gets the training set's state.
 
-- **Where it meets** (one place: `rendezvous` at start, `TrainingWorld.child_env` and
-  `next_address` for each new generation of trainer children). On one node: through a
-  file in a private (0700) directory of world rank 0's (no TCP store listening on every
-  interface, no port race), gloo/NCCL sockets on loopback. Across nodes: a TCP store on
-  the host of the first training rank (it hosts the store), on a port it found free.
+- **Where it meets** (one place: `rendezvous` at start, `TrainingWorld.trainer_env` for
+  each new generation of trainer children): always a file store nobody else can open, no
+  TCP store listening on every interface, no port race. On one node a file in a private
+  (0700) directory of world rank 0's, gloo/NCCL sockets on loopback; across nodes a file
+  in RUN_DIR/.rendezvous (0700, on the run directory's shared filesystem). The
+  collectives themselves then run over gloo/NCCL between the nodes, which authenticate
+  nobody: a multi-node job trusts its cluster network (docs/security.md).
 
 Elastic training live (`planner.elastic_training`, docs/design.md §3): training's data
 parallelism changes between steps.
@@ -35,9 +37,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from pivot_hpc.config import Config
 from pivot_hpc.engines.base import STORE_ENV, Trainer
@@ -113,64 +116,59 @@ class TrainingWorld:
     def torch_rank(self, rank: int) -> int:
         return self.ranks.index(rank)
 
-    def trainer_env(
-        self,
-        rank: int,
-        *,
-        child: bool,
-        generation: int = 0,
-        address: tuple[str, int] | None = None,
-    ) -> dict[str, str]:
+    def trainer_env(self, rank: int, *, child: bool, generation: int = 0) -> dict[str, str]:
         """The torch.distributed environment of world rank `rank`'s trainer
         (engines/factory.py `make_trainer`). In the rank: its RANK and WORLD_SIZE, meeting
-        where `rendezvous` said. A trainer child, generation `generation` of them: alone,
-        its own private store (nothing); on one node, a new file beside the one
-        `rendezvous` made; across nodes, a TCP store on the first training rank's host, at
-        start where `rendezvous` put it, later at `address` (a port found free there for
-        each generation: the last one's children are all gone by then)."""
+        at the store `rendezvous` made. A trainer child, generation `generation` of them:
+        alone, its own private store (nothing); else a new file beside the one `rendezvous`
+        made (the last generation's children are all gone by then)."""
         env = {"RANK": str(self.torch_rank(rank)), "WORLD_SIZE": str(len(self.ranks))}
         if not child:
             return env
         if len(self.ranks) == 1:
             return {}
-        if os.environ.get(STORE_ENV):
-            env[STORE_ENV] = f"{os.environ[STORE_ENV]}.trainers{generation}"
-        elif address is not None:
-            env["MASTER_ADDR"], env["MASTER_PORT"] = address[0], str(address[1])
-        else:
-            env["MASTER_ADDR"], env["MASTER_PORT"] = (
-                os.environ["MASTER_ADDR"],
-                os.environ["MASTER_PORT"],
-            )
+        env[STORE_ENV] = f"{os.environ[STORE_ENV]}.trainers{generation}"
         return env
 
-    def next_address(self, rank: int) -> tuple[str, int] | None:
-        """Across nodes, on the first rank that may train: a port free on its host for the
-        next generation's store (else None)."""
-        if os.environ.get(STORE_ENV) or rank != self.ranks[0]:
-            return None
-        return socket.gethostname(), _free_port()
+
+RENDEZVOUS_DIR = ".rendezvous"  # in the run directory: the multi-node training stores
 
 
-def rendezvous(comm, cfg: Config, lay) -> None:
-    """Where the training world meets at start, on every rank (runtime/main.py)."""
+def rendezvous(comm, cfg: Config, run_dir: Path) -> None:
+    """Where the training world meets at start, on every rank (runtime/main.py): a file
+    store nobody else can open. On one node in a private directory of world rank 0's
+    (gloo and NCCL on loopback); across nodes in a private (0700) directory of the run
+    directory, which a multi-node job already shares — never a TCP store, which listens on
+    every interface and lets whoever reaches a node take a rank's seat (issue 49 #3). Each
+    launch meets at a new file (a file store's keys outlive a job that died)."""
+    path = None
+    if comm.Get_rank() == 0:
+        if cfg.cluster.nodes == 1:
+            from pivot_hpc.engines.megatron.model import private_store
+
+            path = private_store()
+        else:
+            path = str(_shared_store_dir(run_dir) / f"train-{uuid.uuid4().hex}")
+    os.environ[STORE_ENV] = comm.bcast(path)
     if cfg.cluster.nodes == 1:
-        from pivot_hpc.engines.megatron.model import private_store
-
-        os.environ[STORE_ENV] = comm.bcast(private_store() if comm.Get_rank() == 0 else None)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        return
-    master = lay.rank_of_gpu(cfg.training_gpus()[0])  # its RANK 0
-    offer = (socket.gethostname(), _free_port()) if comm.Get_rank() == master else None
-    host, port = comm.bcast(offer, root=master)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _shared_store_dir(run_dir: Path) -> Path:
+    """RUN_DIR/.rendezvous, private, emptied of earlier launches' stores."""
+    from pivot_hpc.private_dirs import ensure
+
+    d = ensure(
+        Path(run_dir) / RENDEZVOUS_DIR,
+        "the training world's rendezvous directory",
+        "remove it; the job makes it again, private",
+        up_to=Path(run_dir),
+    )
+    for old in d.iterdir():  # (the run directory is this job's: no other launch uses it)
+        if old.is_file() and not old.is_symlink():
+            old.unlink(missing_ok=True)
+    return d
 
 
 def publish_optimizer(gps, trainer: Trainer, rank: int, writer: int, version: int) -> None:

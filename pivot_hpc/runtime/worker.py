@@ -156,9 +156,10 @@ class Worker:
             case msg.CheckTrainer():
                 self.send(msg.TrainerChecked(training.alive))
             case msg.CloseTrainer():
-                self.send(msg.TrainerClosed(training.close_for_replacement()))
-            case msg.StartTrainer(generation, address):
-                training.start(generation, address)
+                training.close_for_replacement()
+                self.send(msg.TrainerClosed())
+            case msg.StartTrainer(generation):
+                training.start(generation)
             case _:
                 raise ValueError(f"worker: unknown command {cmd!r}")
 

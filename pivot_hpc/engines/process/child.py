@@ -249,8 +249,8 @@ class ChildTrainer(_ChildProcess):
     CPU), and whose attributes (`version`, `steps`, `optimizer_step`, …) are asked for
     when read. The children of the training set make a torch.distributed world of their
     own: `world_env` gives each its RANK and WORLD_SIZE and where this generation of them
-    meets (`PIVOT_HPC_STORE`, a file store on one node, or MASTER_ADDR/MASTER_PORT across
-    nodes; runtime/training_world.py picks a new one whenever they are started again).
+    meets (`PIVOT_HPC_STORE`, a file store private to the job: runtime/training_world.py
+    names a new one whenever they are started again).
     Without it the child trains alone (a world of one, a file store in its own temporary
     directory). No MPI or launcher variable reaches it. `world`, `rank`: the world ranks
     that may train with training's tp, and this rank's own, for elastic training's step
