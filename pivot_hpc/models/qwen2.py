@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -47,7 +49,19 @@ def create_model(cfg: ModelConfig, seed: int = 0) -> Qwen2ForCausalLM:
 
 def model_config_of(model: Qwen2ForCausalLM) -> ModelConfig:
     """The ModelConfig that describes an existing HF model."""
-    c = model.config
+    return model_config_of_hf(model.config)
+
+
+def model_config_of_dir(path: str | Path) -> ModelConfig:
+    """The ModelConfig of the HF model directory `path`, from its config.json alone (the
+    weights are never read: a training rank needs the shape, not a whole-model copy)."""
+    from transformers import AutoConfig
+
+    return model_config_of_hf(AutoConfig.from_pretrained(str(path)))
+
+
+def model_config_of_hf(c) -> ModelConfig:
+    """The ModelConfig of a transformers config object."""
     return ModelConfig(
         hidden_size=c.hidden_size,
         num_layers=c.num_hidden_layers,

@@ -66,6 +66,10 @@ class TrainingSeat:
         self.sharded = cfg.rl.trainer.distributed_optimizer
         self.active = False
         self.trainer: SupervisedTrainer | None = None
+        # the policy version whose weights (and fp32 masters) the trainer holds; None: none
+        # yet (a trainer is built from the shape alone). A shift-up reads GPS only when
+        # this is not the version to train from (DESIGN.md §3: preserved context)
+        self.holds: int | None = None
         self.reference = None  # the KL reference: the frozen initial policy
         # trainer children are replaced together after a death: the generation names where
         # each new world meets; the step member sets formed so far are formed again in it
@@ -98,14 +102,12 @@ class TrainingSeat:
 
     def _make_trainer(self) -> SupervisedTrainer:
         from pivot_hpc.engines.factory import make_trainer
-        from pivot_hpc.models.qwen2 import model_config_of
-        from pivot_hpc.models.zoo import load_model
+        from pivot_hpc.models.qwen2 import model_config_of_dir
 
-        model, _ = load_model(self.policy_dir)
         env = self.world.trainer_env(self.rank, child=self.child, generation=self._generation)
         return make_trainer(
             self.cfg,
-            model_config_of(model),
+            model_config_of_dir(self.policy_dir),  # the shape only: weights come from GPS
             world=(self.world.ranks, self.world.tp),
             rank=self.rank,
             world_env=env,
@@ -130,7 +132,7 @@ class TrainingSeat:
             trainer.reload_optimizer()
             phases["reload_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            if trainer.version != version:  # (a trainer behind GPS: take all of it)
+            if self.holds != version:  # (new, or behind GPS: take all of it)
                 self._load_policy(version)
             elif released:  # the parameters back from GPS; the masters are its own
                 self._load_policy(version, masters=False)
@@ -164,6 +166,7 @@ class TrainingSeat:
         if got != version:
             raise RuntimeError(f"training read policy v{got} from GPS, expected v{version}")
         self.trainer.load_weights(tensors, masters=masters)
+        self.holds = version
 
     # ------------------------------------------------------------------ steps
     def form_groups(self, members: tuple[int, ...]) -> None:
@@ -190,14 +193,18 @@ class TrainingSeat:
                 self.reference, batch.prompt_ids, batch.response_ids, self.cfg.rl.grpo.temperature
             )
         metrics = trainer.train_step(batch)
+        self.holds = trainer.version
         metrics.setdefault("loss", metrics.get("pg_loss", float("nan")))
         if self.extension:  # the training set publishes; an extension only trains
             self.send(msg.Trained(step, {**metrics, "version": None}))
             self._test_kill(step)
             return
         t0 = time.perf_counter()
-        weights = trainer.export_weights()  # full canonical tensors (gathered over TP)
         version = None
+        # the training set's first replica gathers the canonical tensors (collective over
+        # its TP group); the other replicas hold the same weights and make no copy
+        if self.rank in self.training_ranks[: self.world.tp]:
+            weights = trainer.export_weights()
         if self.rank == self.training_ranks[0]:  # one full copy suffices
             # in the storage's dtype (a bf16 trainer publishes into an fp32 policy)
             spec = self.gps.models["policy"]
@@ -267,6 +274,7 @@ class TrainingSeat:
     def restore(self, path: str) -> None:
         with self._optimizer_loaded():
             self.trainer.load(os.path.join(path, "train"))
+        self.holds = self.trainer.version  # the checkpoint's weights and masters
         if self.child:
             self._publish_optimizer()  # at the checkpoint's version
 
@@ -307,6 +315,7 @@ class TrainingSeat:
         t0 = time.perf_counter()
         self._generation = generation
         self.trainer = trainer = self._make_trainer()
+        self.holds = None  # (set by what it is refit with below)
         for members in self._formed:
             trainer.form_groups(members)
         version = self.gps.version("policy")
