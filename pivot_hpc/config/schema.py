@@ -209,7 +209,7 @@ class SchedulerConfig:
     # dispatched past it meanwhile. A replica that shifted down is never waited for.
     # 0 = never wait (soft affinity only); no effect at affinity_slack 0, nor live on the
     # hf engine (no prefix cache: a wait would only delay the turn). 2 s: measured on group 2 with
-    # two calls per trajectory (docs/agentic.md), +4 % steady tokens/s and −40 % rollout
+    # two calls per trajectory (docs/guide/agentic.md), +4 % steady tokens/s and −40 % rollout
     # prefill at 2 s calls, +1 % (within the seeds' spread) and −13 % at 30 s.
     affinity_wait_s: float = 2.0
 
@@ -240,7 +240,7 @@ class Config:
     gps: GPSConfig = field(default_factory=GPSConfig)  # Global Parameter Storage (§5.1)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # docs/design.md §9
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow
-    # multi-turn rollouts with tool calls in a per-node sandbox (docs/agentic.md)
+    # multi-turn rollouts with tool calls in a per-node sandbox (docs/guide/agentic.md)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def validate(self, path: str) -> None:

@@ -1,4 +1,4 @@
-"""The coordinator's turn loop for tool-calling rollouts (issue 37, docs/agentic.md).
+"""The coordinator's turn loop for tool-calling rollouts (issue 37, docs/guide/agentic.md).
 
 A trajectory is one sample; each of its turns is an ordinary rollout sequence whose prompt
 is the context so far (the engine contract does not change). When a turn finishes, the

@@ -65,7 +65,7 @@ class InferenceEngineConfig:
     """`hf` = the embedded continuous-batching engine (CPU, or the worker's GPU);
     `sglang` = the GPU production engine; `vllm` = vLLM 0.32, by default in a child process
     of the worker rank (CPU build or CUDA build, pivot_hpc.engines.vllm.engine;
-    docs/engines.md).
+    docs/guide/vllm.md).
 
     The shared keys reach vLLM as: max_batch → max_num_seqs, max_seq_len → max_model_len,
     prefill_chunk_tokens → max_num_batched_tokens, the role's kv_capacity_tokens → the KV
@@ -88,7 +88,7 @@ class InferenceEngineConfig:
     # = in a child process of the rank, the shape production engines have (the job's stop
     # signals do not reach it, its death is one error for the rank, and vLLM there is
     # apart from the training ranks' torch.distributed world: engines/process/child.py);
-    # auto = child for vllm, in_rank for hf (docs/engines.md). sglang: not used
+    # auto = child for vllm, in_rank for hf (docs/guide/vllm.md). sglang: not used
     process: Literal["auto", "in_rank", "child"] = "auto"
     # A YAML file written by `pivot-hpc profile`; its fitted constants replace the role's
     # `throughput` section (see pivot_hpc.engines.profile.apply_profiles).

@@ -89,7 +89,7 @@ def make_inference_engine(
             "seed": seed,
             "device": device,
         }
-    if ec.process == "child":  # vLLM's default: engines/vllm/launch.py, docs/engines.md
+    if ec.process == "child":  # vLLM's default: engines/vllm/launch.py, docs/guide/vllm.md
         from pivot_hpc.engines.process.child import ChildEngine, EngineProcessError
         from pivot_hpc.engines.process.guard import GuardedEngine
 

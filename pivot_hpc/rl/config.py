@@ -118,7 +118,7 @@ class TrainerConfig:
     # before failing: a checkpoint's barrier can wait while they finish inference, minutes
     # on a large model (the former fixed 120 s failed such saves)
     collective_timeout_s: float = 1800.0
-    # Memory knobs. `pivot-hpc plan` (docs/plan.md) sizes training's GPU memory for the
+    # Memory knobs. `pivot-hpc plan` (docs/guide/plan.md) sizes training's GPU memory for the
     # values set here and the launchers refuse a config that does not fit. The Megatron
     # engine runs `attention`, `recompute` and `distributed_optimizer` as set.
     # Attention: "local" = megatron's local layer spec (unfused: materialises the
@@ -137,7 +137,7 @@ class TrainerConfig:
     # in a child process of each training rank (engines/process/child.py `ChildTrainer`): a
     # death of one between steps replaces every training child on the same GPUs, refit
     # from GPS (the policy and the optimizer state, published after every step) — a
-    # death inside a step still stops the job (docs/engines.md). Sharded optimizer: each
+    # death inside a step still stops the job (docs/guide/vllm.md). Sharded optimizer: each
     # rank keeps its child's range in its own memory (12 B/parameter over the DP size).
     process: Literal["in_rank", "child"] = "in_rank"
 

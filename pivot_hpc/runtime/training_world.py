@@ -7,7 +7,7 @@ meets, and how a replica that joins gets the training set's state.
   (0700) directory of world rank 0's, gloo/NCCL sockets on loopback; across nodes a file
   in RUN_DIR/.rendezvous (0700, on the run directory's shared filesystem). The
   collectives themselves then run over gloo/NCCL between the nodes, which authenticate
-  nobody: a multi-node job trusts its cluster network (docs/security.md).
+  nobody: a multi-node job trusts its cluster network (docs/guide/security.md).
 
 Elastic training live (`planner.elastic_training`, docs/design.md §3): training's data
 parallelism changes between steps.

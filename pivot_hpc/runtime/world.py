@@ -85,7 +85,7 @@ def check_before_launch(cfg: Config) -> None:
     check_tools(cfg)
 
 
-# What the live runtime lacks before `tools.enabled` can run (docs/agentic.md): nothing
+# What the live runtime lacks before `tools.enabled` can run (docs/guide/agentic.md): nothing
 # since the coordinator's turn loop (coordinator/turns.py) landed; only the preflight is
 # left. A later gap is named here and refused in one line.
 TOOLS_MISSING = ""
@@ -105,7 +105,7 @@ def check_tools(cfg: Config) -> None:
     if TOOLS_MISSING:
         raise LayoutError(
             "tools.enabled=true: the live runtime starts each node's tool sandbox but does "
-            f"not have {TOOLS_MISSING} yet (issue 37; docs/agentic.md says what is wired); "
+            f"not have {TOOLS_MISSING} yet (issue 37; docs/guide/agentic.md says what is wired); "
             "set tools.enabled=false"
         )
 
@@ -152,7 +152,7 @@ def check_vllm_roles(cfg: Config) -> None:
             raise LayoutError(
                 f"{role}.tp={tp} with engines.{role}.engine=vllm: a vllm engine serves a "
                 "replica on its worker's one device (replicas over several workers' devices "
-                f"are built for sglang only; docs/engines.md); use {role}.tp=1, or "
+                f"are built for sglang only; docs/guide/vllm.md); use {role}.tp=1, or "
                 f"engines.{role}.engine=sglang for tensor-parallel replicas"
             )
     in_rank = [r for r in roles if getattr(cfg.engines, r).process == "in_rank"]
@@ -163,7 +163,7 @@ def check_vllm_roles(cfg: Config) -> None:
             f"a training world of {world} ranks (training.num_gpus={len(cfg.training_gpus())}"
             f", planner.elastic_training={cfg.planner.elastic_training}): vLLM in a worker's "
             "process joins that rank's torch.distributed group and would wait for every "
-            f"training rank; use engines.{in_rank[0]}.process=child (docs/engines.md)"
+            f"training rank; use engines.{in_rank[0]}.process=child (docs/guide/vllm.md)"
         )
 
 

@@ -31,7 +31,7 @@ again), answers the coordinator's aborts with them, and takes sequences dispatch
 before the death is heard with the tokens they came with. The coordinator's `on_failure`
 then recovers it as it does live; a restart's shift-up takes `restart_s` more.
 A death on a GPU that training holds (its set, or an elastic extension, from its shift-up
-until its shift-down is asked) is a training rank's (issue 38, docs/engines.md): between
+until its shift-down is asked) is a training rank's (issue 38, docs/guide/vllm.md): between
 steps the rank's worker restarts its trainer and refits it from GPS, so the coordinator
 hears a `ReplicaFailed` of role training and the next step starts `restart_s` plus that
 group's shift-up later; inside a step — or when training's last reported death is within

@@ -166,7 +166,7 @@ class FailureConfig:
     death on a GPU serving an inference replica kills that replica's engine: it is
     reported as a live engine's death is (`ReplicaFailed`) and the coordinator recovers it
     the same way — an unplanned shift-down, then a restart or, dying again within
-    `deployment.engine_restart_window_s`, exclusion (docs/engines.md). A death on a GPU that
+    `deployment.engine_restart_window_s`, exclusion (docs/guide/vllm.md). A death on a GPU that
     training holds (its set or an elastic extension) restarts the training engine between
     steps (`restart_s` plus a training shift-up), and stops the job inside a step or when
     training died within the restart window before (`job_restart_s`: the step is redone).

@@ -1,4 +1,4 @@
-"""A shift-down while tool-calling trajectories are parked (issue 37, docs/agentic.md):
+"""A shift-down while tool-calling trajectories are parked (issue 37, docs/guide/agentic.md):
 a parked trajectory has left the rollout scheduler, so taking down the replica its last
 turn ran on sends it no abort, and its next turn simply runs elsewhere — greedy, every
 trajectory ends with the same tokens as in a run without the shift.

