@@ -37,11 +37,16 @@ def environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
     found pivot_hpc only through the directory `-P` leaves out."""
     env = dict(os.environ if base is None else base)
     env[SAFE_PATH_ENV] = "1"
+    # an empty or relative PYTHONPATH entry (`PYTHONPATH=$PYTHONPATH:/x` with it unset
+    # gives ":/x") names the working directory again, whatever -P says: dropped
+    given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
     extra = _found_only_through_cwd()
-    if extra is not None:
-        given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if extra not in given:
-            env["PYTHONPATH"] = os.pathsep.join([extra, *given])
+    if extra is not None and extra not in given:
+        given.insert(0, extra)
+    if given:
+        env["PYTHONPATH"] = os.pathsep.join(given)
+    else:
+        env.pop("PYTHONPATH", None)
     return env
 
 

@@ -29,10 +29,10 @@ def test_a_job_started_among_planted_modules_imports_none_of_them(tmp_path: Path
     cmd = [sys.executable, "-P", "-m", "pivot_hpc", "run", str(ROOT / "configs" / "tiny.yaml")]
     cmd += ["--run-dir", str(tmp_path / "run"), "loop.steps=1", "loop.batch_prompts=4"]
     cmd += ["loop.eval_every_steps=0", "tools.enabled=true"]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    # (no empty entry: PYTHONPATH "ROOT:" would name the working directory for the
+    # launcher itself, before pivot_hpc runs; its children get such entries dropped)
+    given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *given])}
     out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=840, env=env)
     assert markers(marks) == [], (markers(marks), out.stderr[-3000:])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -48,6 +48,14 @@ def test_the_project_starts_python_with_safe_path() -> None:
     assert env["PYTHONSAFEPATH"] == "1" and env["PATH"] == "/bin"
 
 
+def test_pythonpath_entries_that_name_the_working_directory_are_dropped() -> None:
+    env = interpreter.environ({"PYTHONPATH": f":/opt/lib{os.pathsep}.{os.pathsep}rel"})
+    entries = env["PYTHONPATH"].split(os.pathsep)
+    assert "/opt/lib" in entries and all(os.path.isabs(p) for p in entries), entries
+    none = interpreter.environ({"PYTHONPATH": os.pathsep}).get("PYTHONPATH", "")
+    assert all(os.path.isabs(p) for p in none.split(os.pathsep) if none), none
+
+
 def test_the_ranks_are_started_with_safe_path(tmp_path: Path, monkeypatch) -> None:
     """What `pivot-hpc run` hands mpirun as every rank's command line."""
     from pivot_hpc.cli import local_world

@@ -79,8 +79,8 @@ class GuardedEngine:
         code = self.engine.exit_code()
         if code is not None:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            pid = self.engine.pid
-            self._died(EngineProcessError(f"engine process {pid} {how} (health check)"))
+            what = f"{self.engine.kind} engine process {self.engine.pid}"
+            self._died(EngineProcessError(f"{what} {how} (health check)"))
 
     def _guard(self, name: str, *args: Any, default: Any = None) -> Any:
         if self.dead:
