@@ -86,8 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, label: str, mtbf: float):
-    from pivot_hpc.config import load_config, validate_tree
-    from pivot_hpc.sim.run import scale_to
+    from pivot_hpc.config import validate_tree
+    from pivot_hpc.job.config import load_config
+    from pivot_hpc.job.simulate import scale_to
 
     overrides = [
         *MODES[label],
@@ -105,8 +106,8 @@ def _config(args: argparse.Namespace, label: str, mtbf: float):
 
 def simulate_failures(cfg) -> dict[str, Any]:
     """Run `cfg` to the end; its throughput and what its engine deaths cost."""
-    from pivot_hpc.coordinator import build as builder
-    from pivot_hpc.sim.backend import SimBackend
+    from pivot_hpc.job import build as builder
+    from pivot_hpc.job.sim_backend import SimBackend
     from pivot_hpc.sim.failures import JobStalled
 
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ Each run also reports `tokens_per_s_steady_made`: the work done while the pipeli
 full (tokens made and steps trained in that window, in GPU-seconds at the bound's rates)
 as tokens/s at the run's mix of work, see `telemetry.summary.steady_work_share`; `steady_over_bound`
 is that over the work-conserving bound, the share of GPU time doing work at the bound's
-rates. `tokens_per_s_critical_path` is the second bound (sim/bound.py): no schedule runs
+rates. `tokens_per_s_critical_path` is the second bound (job/sim_bound.py): no schedule runs
 faster than each step's longest sample alone plus its training on every GPU allow, at the
 run's staleness; `end_to_end_over_bounds` is the run's end-to-end throughput over the
 lower of the two bounds — how much of what is possible the run reached.
@@ -81,7 +81,8 @@ def _label(mode: str, strategy: str, elastic: bool, horizon: float | None) -> st
 
 def _one(job: tuple[str, list[str]]) -> dict:
     from pivot_hpc.bench.sim_rates import simulate_rates
-    from pivot_hpc.config import load_config, validate_tree
+    from pivot_hpc.config import validate_tree
+    from pivot_hpc.job.config import load_config
 
     config, overrides = job
     cfg = load_config(config, overrides, files=False)

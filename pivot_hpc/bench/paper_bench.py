@@ -73,7 +73,8 @@ def group_config(group: int) -> Path:
 
 def _one(job: tuple[str, list[str], float]) -> dict:
     from pivot_hpc.bench.sim_rates import simulate_rates
-    from pivot_hpc.config import load_config, validate_tree
+    from pivot_hpc.config import validate_tree
+    from pivot_hpc.job.config import load_config
 
     config, overrides, scale = job
     cfg = load_config(config, overrides, files=False)

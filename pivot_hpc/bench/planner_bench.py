@@ -13,8 +13,8 @@ import time
 
 from pivot_hpc.bench.stats import percentiles_ms, table
 from pivot_hpc.bench.workload import realistic_snapshot
-from pivot_hpc.config.schema import PlannerConfig
 from pivot_hpc.planner import make_strategy
+from pivot_hpc.planner.config import PlannerConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pivot_hpc.config import load_config, validate_tree
-    from pivot_hpc.sim.run import scale_to, simulate
+    from pivot_hpc.config import validate_tree
+    from pivot_hpc.job.config import load_config
+    from pivot_hpc.job.simulate import scale_to, simulate
 
     warm = load_config(
         str(args.config), [f"deployment.mode={args.mode}", "loop.steps=1"], files=False

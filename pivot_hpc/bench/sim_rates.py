@@ -1,6 +1,6 @@
 """One simulated run's rates, both token counts, for the simulator benches.
 
-The keys of `pivot_hpc.sim.run.simulate`'s summary a bench reports: generated-token rates
+The keys of `pivot_hpc.job.simulate.simulate`'s summary a bench reports: generated-token rates
 and their processed-token twins (telemetry/summary.py: prompts and the GenRM's inputs
 counted as the paper's §8.1 does), computed with the summary's functions, so a bench,
 `pivot-hpc simulate --json` and `pivot-hpc report` agree.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pivot_hpc.config import Config
+from pivot_hpc.job.config import Config
 
 # the summary keys of `simulate` a bench reports
 KEYS = (
@@ -37,7 +37,7 @@ KEYS = (
 
 def simulate_rates(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to completion; its rates (generated and processed), bounds and shifts."""
-    from pivot_hpc.sim.run import simulate
+    from pivot_hpc.job.simulate import simulate
 
     summary = simulate(cfg, None, progress=False)
     return {k: summary[k] for k in KEYS}

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pivot_hpc.config.schema import ShiftTimes
 from pivot_hpc.errors import UsageError
+from pivot_hpc.planner.config import ShiftTimes
 from pivot_hpc.planner.snapshot import Snapshot, Topology, TrainingState, replica_id
 from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
 

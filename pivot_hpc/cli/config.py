@@ -27,8 +27,8 @@ def _inline(value) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pivot_hpc.config import load_config
     from pivot_hpc.config.docs import entries
+    from pivot_hpc.job.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     rows = entries(cfg)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pivot_hpc import interpreter
-from pivot_hpc.config import Config
+from pivot_hpc.job.config import Config
 
 # Environment that makes OpenMPI + UCX/NIXL behave on CPU machines (docs/platform.md).
 MPI_ENV = {

@@ -17,8 +17,9 @@ import dataclasses
 import json
 from typing import Any
 
-from pivot_hpc.config import Config, from_dict, validate_tree
+from pivot_hpc.config import from_dict, validate_tree
 from pivot_hpc.config.loader import apply_overrides, load_yaml, migrate_moved
+from pivot_hpc.job.config import Config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-from pivot_hpc.config import load_config
+from pivot_hpc.job.config import load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     compile_caches.resolved(cache_dir=cfg.models.cache_dir)
     # A checkpoint to resume must be usable (complete, same config, every record within
     # its models) before any rank starts.
-    from pivot_hpc.runtime.checkpoint_records import find_resume
+    from pivot_hpc.runtime.resume_check import find_resume
 
     found = find_resume(run_dir, cfg)
     if found is not None:

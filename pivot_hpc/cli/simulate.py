@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from pivot_hpc.config import load_config, validate_tree
+from pivot_hpc.config import validate_tree
+from pivot_hpc.job.config import load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def _num(x: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pivot_hpc.sim.run import scale_to, simulate
+    from pivot_hpc.job.simulate import scale_to, simulate
 
     overrides = list(args.overrides)
     if args.mode:

@@ -52,8 +52,9 @@ from typing import Any
 from submitit.helpers import Checkpointable
 
 from pivot_hpc import interpreter
-from pivot_hpc.config import Config, from_dict, load_config, to_dict, validate_tree
+from pivot_hpc.config import from_dict, to_dict, validate_tree
 from pivot_hpc.errors import PivotError, UsageError
+from pivot_hpc.job.config import Config, load_config
 from pivot_hpc.runtime import run_dir as run_dirs
 
 # Sent by Slurm to every task before the time limit; the runtime's stop signal (stop.py).

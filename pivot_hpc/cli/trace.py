@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pivot_hpc.errors import UsageError
 
 if TYPE_CHECKING:
-    from pivot_hpc.config import Config
+    from pivot_hpc.job.config import Config
     from pivot_hpc.telemetry import Run
 
 # The trace has a track per GPU; a saved config is the run directory's (maybe someone
@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
 def _saved_config(run_dir: Path, r: Run) -> Config:
     """The run's config from its telemetry, refused in one line if it does not load or
     names more GPUs than a trace can show (checked before anything is sized by it)."""
-    from pivot_hpc.config import Config, from_dict, validate_tree
+    from pivot_hpc.config import from_dict, validate_tree
     from pivot_hpc.config.loader import ConfigError, migrate_moved
+    from pivot_hpc.job.config import Config
     from pivot_hpc.telemetry.errors import printable
 
     try:
@@ -88,7 +89,7 @@ def _saved_config(run_dir: Path, r: Run) -> Config:
 def _gpu_map(run_dir: Path, cfg: Config) -> Callable[[str, int], tuple[int, ...]]:
     """gpus_of(replica, gpus) for telemetry/trace.build, from the saved config's topology;
     a shift row naming no replica of it is refused in one line."""
-    from pivot_hpc.coordinator.build import configured_topology
+    from pivot_hpc.job.build import configured_topology
     from pivot_hpc.planner.snapshot import TRAINING, SnapshotError
     from pivot_hpc.telemetry import TelemetryError
 

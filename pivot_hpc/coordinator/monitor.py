@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pivot_hpc.config.schema import ShiftTimes
+from pivot_hpc.planner.config import ShiftTimes
 from pivot_hpc.scheduler import ThroughputModel
 from pivot_hpc.scheduler.throughput import fit_throughput_model
 

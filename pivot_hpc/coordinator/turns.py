@@ -49,8 +49,19 @@ from pivot_hpc.errors import PivotError
 from pivot_hpc.scheduler import SeqState
 
 if TYPE_CHECKING:
-    from pivot_hpc.coordinator.coordinator import Coordinator
     from pivot_hpc.coordinator.rl_state import RLState
+
+
+class TurnHost(Protocol):
+    """What the turn loop uses of the coordinator that runs it (a narrow view: the loop
+    knows nothing else of it): the role schedulers, the cluster, telemetry, and dispatch."""
+
+    schedulers: dict[str, Any]  # role -> its shift-aware scheduler
+    cluster: Any  # the coordinator's Cluster (coordinator/cluster.py)
+    telemetry: Any  # the run's telemetry writer
+
+    def dispatch(self, role: str) -> None: ...
+
 
 TurnKind = Literal["done", "again", "call"]
 
@@ -140,7 +151,7 @@ class TurnLoop:
 
     def __init__(
         self,
-        coord: Coordinator,
+        coord: TurnHost,
         source: object,
         *,
         call_timeout_s: float,

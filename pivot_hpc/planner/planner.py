@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from pivot_hpc.config.schema import PlannerConfig
 from pivot_hpc.planner.candidates import build_candidates
+from pivot_hpc.planner.config import PlannerConfig
 from pivot_hpc.planner.pairs import penalty, shift_pairs
 from pivot_hpc.planner.plan import CandidateEval, PlannerTimings, ShiftPlan, overall_throughput
 from pivot_hpc.planner.prewarm import prewarm_plan, training_return

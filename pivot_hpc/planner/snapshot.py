@@ -19,8 +19,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pivot_hpc.config.schema import ShiftTimes
 from pivot_hpc.errors import PivotError
+from pivot_hpc.planner.config import ShiftTimes
 from pivot_hpc.scheduler import ReplicaModel, Scheduler
 
 INFERENCE_ROLES = ("rollout", "reward")

@@ -8,7 +8,7 @@ Two sources give the same record:
   from the tiny architectures of `models.policy.arch` / `models.genrm.arch`. The GPU is
   `cluster.gpu` (catalog) or `cluster.gpu_memory_gib`; neither = capacity unknown.
 - `sim_inputs(cfg)`: the simulator's twin of the same config (`--source sim`): models,
-  GPU, training tp and recompute as the simulator reads them (sim/settings.py); training as
+  GPU, training tp and recompute as the simulator reads them (job/sim_settings.py); training as
   sim/catalog.py costs it (veRL-style: fused attention, sharded optimizer state, one
   sequence per micro-batch); engines as its calibration sizes them (SGLang at the
   calibrated HBM fraction).
@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from pivot_hpc.config.schema import Config
 from pivot_hpc.errors import PivotError
+from pivot_hpc.job.config import Config
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, ModelSpec, catalog_key
 
@@ -302,11 +302,11 @@ def live_inputs(cfg: Config) -> PlanInputs:
 
 # --------------------------------------------------------------------------- sim
 def sim_inputs(cfg: Config) -> PlanInputs:
-    """The simulator's twin of a config, sized as the simulator costs it (sim/settings.py:
+    """The simulator's twin of a config, sized as the simulator costs it (job/sim_settings.py:
     the same models, GPU, training tp and recompute, caps and running cap)."""
+    from pivot_hpc.job.sim_settings import sim_settings
     from pivot_hpc.sim.calibration import calibration
     from pivot_hpc.sim.catalog import CatalogError, inference_costs, model_from_profile
-    from pivot_hpc.sim.settings import sim_settings
 
     s = sim_settings(cfg)
     gpu = s.hardware

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pivot_hpc.config.schema import Config
 from pivot_hpc.errors import PivotError
+from pivot_hpc.job.config import Config
 from pivot_hpc.planning.host import NodeMemory, node_memory
 from pivot_hpc.planning.inputs import GIB, PlanInputs, live_inputs
 from pivot_hpc.planning.memory import (

@@ -32,7 +32,7 @@ from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SeqResult
 from pivot_hpc.rl.rewards import GenRMStats
 from pivot_hpc.runtime.checkpoint_records import RECORD_CHECKS
-from pivot_hpc.runtime.live_samples import LivePayload
+from pivot_hpc.runtime.live_payload import LivePayload
 from pivot_hpc.safe_files import open_for_read, open_for_write
 
 RL_STATE = "rl_state.json"

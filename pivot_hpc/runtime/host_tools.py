@@ -40,8 +40,8 @@ from pivot_hpc import interpreter
 from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.agentic.messages import ToolCall, ToolResult
 from pivot_hpc.agentic.service import MAX_LINE_BYTES, LineReader, decode_result, encode
-from pivot_hpc.config import Config
 from pivot_hpc.errors import PivotError
+from pivot_hpc.job.config import Config
 
 RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 READY_TIMEOUT_S = 60.0  # a cold Python start on a loaded node, plus the isolation probe

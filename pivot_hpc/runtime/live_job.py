@@ -1,4 +1,4 @@
-"""The live job's backend (coordinator/job.py): what `build(cfg, backend)` needs from an
+"""The live job's backend (job/backend.py): what `build(cfg, backend)` needs from an
 MPI world — engine profiles, the dataset, the LiveCluster over the worker ranks, resume from
 a checkpoint — and the hooks around its loop: held-out evaluation, checkpoints, the step
 log, trackers and stop signals. `finish` ends the job (exit code, the last line).
@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pivot_hpc.config import Config, to_dict
-from pivot_hpc.coordinator import build as builder
+from pivot_hpc.config import to_dict
 from pivot_hpc.coordinator.hooks import Hooks
-from pivot_hpc.coordinator.job import Costs, Job
 from pivot_hpc.data.arithmetic import problems
 from pivot_hpc.data.loaders import Columns, usable_problems
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.backend import Costs, Job
+from pivot_hpc.job.config import Config
 from pivot_hpc.models.config import cache_root
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.step_log import (

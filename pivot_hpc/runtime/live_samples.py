@@ -13,14 +13,12 @@ the whole response with observation tokens masked out of the loss.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Any
 
 from pivot_hpc.agentic.config import ToolsConfig
-from pivot_hpc.agentic.trajectory import Trajectory as ToolTrajectory
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.data.problem import Problem
-from pivot_hpc.engines.base import SamplingParams, SeqResult
+from pivot_hpc.engines.base import SamplingParams
 from pivot_hpc.models.tokenizer import decode_response, encode_prompt
 from pivot_hpc.rl.batch import TrainBatch, Trajectory, assemble
 from pivot_hpc.rl.config import RLConfig
@@ -31,17 +29,8 @@ from pivot_hpc.rl.rewards import (
     overlong_penalty,
     verifiable_reward,
 )
+from pivot_hpc.runtime.live_payload import LivePayload
 from pivot_hpc.runtime.live_turns import LiveTurns
-
-
-@dataclass(slots=True)
-class LivePayload:
-    problem: Problem
-    prompt_ids: list[int]
-    response: SeqResult | None = None
-    judge_ids: list[int] = field(default_factory=list)
-    judgement: str = ""
-    traj: ToolTrajectory | None = None  # tools.enabled: the multi-turn trajectory
 
 
 class LiveSamples(LiveTurns):

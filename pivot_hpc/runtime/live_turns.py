@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.agentic.messages import ToolResult
@@ -38,9 +38,7 @@ from pivot_hpc.agentic.trajectory import (
 from pivot_hpc.coordinator.rl_state import ConservationError, Sample
 from pivot_hpc.coordinator.turns import Turn
 from pivot_hpc.engines.base import SamplingParams, SeqResult
-
-if TYPE_CHECKING:
-    from pivot_hpc.runtime.live_samples import LivePayload
+from pivot_hpc.runtime.live_payload import LivePayload
 
 
 class LiveTurns:

@@ -19,8 +19,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from pivot_hpc.config import Config
 from pivot_hpc.errors import PivotError
+from pivot_hpc.job.config import Config
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.library_noise import route_to_log
 from pivot_hpc.runtime.world import check_launch, layout
@@ -128,7 +128,7 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
 
 
 def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
-    from pivot_hpc.runtime.checkpoint_records import find_resume
+    from pivot_hpc.runtime.resume_check import find_resume
 
     found = find_resume(run_dir, cfg)  # complete, same config, every record usable
     if found is None:
@@ -138,7 +138,7 @@ def _find_resume(cfg: Config, run_dir: Path) -> tuple[str, int] | None:
 
 
 def _coordinate(comm, lay, cfg: Config, run_dir: Path, dirs, gps, resume) -> int:
-    from pivot_hpc.coordinator.build import build
+    from pivot_hpc.job.build import build
     from pivot_hpc.runtime.live_job import LiveBackend, finish
 
     job = build(cfg, LiveBackend(comm, lay, run_dir, dirs, gps, resume))

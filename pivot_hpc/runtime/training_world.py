@@ -42,9 +42,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from pivot_hpc.config import Config
 from pivot_hpc.engines.base import STORE_ENV, Trainer
 from pivot_hpc.gps import ModelSpec, Parallelism
+from pivot_hpc.job.config import Config
 from pivot_hpc.planner.snapshot import extension_slots
 
 # GPS model of each kind of optimizer state (runtime/main.py registers them)

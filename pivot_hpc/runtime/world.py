@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pivot_hpc.config import Config
-from pivot_hpc.config.schema import ClusterConfig
 from pivot_hpc.errors import PivotError
+from pivot_hpc.job.config import ClusterConfig, Config
 
 
 class LayoutError(PivotError, RuntimeError):

@@ -4,7 +4,7 @@ A deployment is one config, read by `pivot-hpc run`, `pivot-hpc simulate` and `p
 plan` alike. Every setting a live run has is read from its live key (the GPU from
 `cluster.gpu`, the caps from `rl.max_response_tokens` / `rl.reward.genrm_max_tokens`,
 training from `rl.trainer` and `rl.grpo`, models from `models`, engine profiles and
-running caps from `engines`); sim/settings.py gathers them in one place. What is left here
+running caps from `engines`); job/sim_settings.py gathers them in one place. What is left here
 is what a live run does not choose but observes: the lengths its policy and GenRM
 generate (the synthetic workload the simulator draws instead), the workload's seed, and
 the engine deaths a live run suffers rather than chooses (`sim.failures`, off by default).
@@ -147,7 +147,7 @@ def tool_names(mix: list[ToolLatencyConfig]) -> list[str]:
 @dataclass(kw_only=True)
 class Workload(WorkloadConfig):
     """The workload the simulator draws: the `sim.workload` section with the caps a live
-    run generates under (sim/settings.py fills them in from `rl`; not a config section)."""
+    run generates under (job/sim_settings.py fills them in from `rl`; not a config section)."""
 
     response_cap: int  # max response tokens (rl.max_response_tokens)
     judgement_cap: int  # max GenRM tokens (rl.reward.genrm_max_tokens)
@@ -214,7 +214,7 @@ def _recompute(value: object) -> object:
 class SimConfig:
     """What only the simulator needs: the synthetic workload in place of the generations a
     live run measures. Engine, shift and training costs come from `pivot-hpc calibration`
-    for `cluster.gpu` and the models of `models` (sim/settings.py, sim/calibration.py)."""
+    for `cluster.gpu` and the models of `models` (job/sim_settings.py, sim/calibration.py)."""
 
     seed: int = 0  # workload seed (a run is deterministic for a seed; --seed)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)

@@ -71,7 +71,7 @@ class _Stream:
 
 
 # The draws of the latest (workload, seed), shared by the SimWorkloads made for it: a run
-# draws each sample twice (for its bound, sim/bound.py, then to run it), and `bench
+# draws each sample twice (for its bound, job/sim_bound.py, then to run it), and `bench
 # failures` runs every mode on the same samples. A draw is ~15 µs of pure-Python hashing.
 _latest: tuple[tuple, dict] = ((), {})
 

@@ -25,9 +25,9 @@ Definitions (also in analysis/README.md):
   per-GPU rate, no shift cost, ÷ GPUs): rollout tokens / best rollout tokens/s per GPU +
   reward tokens / best reward tokens/s per GPU + trained tokens × training GPU-seconds per
   token, with the rates from the run's `bound_*` attributes (written by the simulator from
-  the lengths of the run's own samples, sim/bound.py; None for runs without them).
+  the lengths of the run's own samples, job/sim_bound.py; None for runs without them).
 - critical-path bound: the run's `bound_critical_path` attribute (simulated runs: each
-  step's longest sample alone plus its training on every GPU, sim/bound.py).
+  step's longest sample alone plus its training on every GPU, job/sim_bound.py).
 - steady work share: the work done while the pipeline runs full (tokens the engines made,
   from the steps' `made_*_tokens`, and steps trained) at the bound's rates ÷ GPU time; the
   steady made rate is that share × the bound (`steady_work_share`, `steady_made_rate`).
@@ -349,7 +349,7 @@ def summarise(run: Run) -> dict[str, Any]:
         "tokens_per_s": e2e["tokens_per_s"],
         "tokens_per_s_steady": steady_state(steps, staleness),
         "tokens_per_s_bound": bound,
-        # simulated runs: no schedule passes the pipeline's critical path (sim/bound.py)
+        # simulated runs: no schedule passes the pipeline's critical path (job/sim_bound.py)
         "tokens_per_s_critical_path": run.attr("bound_critical_path"),
         "steady_work_share": share,
         "tokens_per_s_steady_made": steady_made_rate(share, bound),

@@ -2,7 +2,7 @@
 GRPO on multi-turn rollouts (observations masked out of the loss) makes it call it more.
 
 Both use the policy the config names (created once, cached like the default's) and the
-calculator check's two-turn rollout (recipes/calculator_eval.py): the call is evaluated
+calculator check's two-turn rollout (bench/calculator_eval.py): the call is evaluated
 in-process by the sandbox's own evaluator, its observation appended as tokens.
 """
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pivot_hpc.config import load_config
+from pivot_hpc.bench.calculator_eval import held_out, measure, rollouts
 from pivot_hpc.data.arithmetic import problems
+from pivot_hpc.job.config import load_config
 from pivot_hpc.models.tokenizer import encode_prompt
 from pivot_hpc.models.zoo import load_model
-from pivot_hpc.recipes.calculator_eval import held_out, measure, rollouts
 from pivot_hpc.recipes.tiny_models import ensure_model
 from pivot_hpc.rl.batch import Trajectory, assemble
 from pivot_hpc.rl.config import GRPOConfig, RewardConfig, RLConfig, TrainerConfig

@@ -17,7 +17,8 @@ import pytest
 
 from pivot_hpc.checkpoint import store
 from pivot_hpc.cli.main import main
-from pivot_hpc.config import load_config, to_dict
+from pivot_hpc.config import to_dict
+from pivot_hpc.job.config import load_config
 from tests.engines.pickle_payloads import payloads, plant
 
 REPO = Path(__file__).resolve().parents[2]

@@ -225,7 +225,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_child_is_accepted_for_every_training_layout() -> None:
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
     from pivot_hpc.runtime.world import check_live_config
 
     for layout in (
@@ -240,8 +240,8 @@ def test_child_is_accepted_for_every_training_layout() -> None:
 
 def test_child_registers_the_optimizer_state_in_gps() -> None:
     """What a restarted child reads back: the elastic path's optimizer-state models."""
-    from pivot_hpc.config import load_config
     from pivot_hpc.gps import ModelSpec
+    from pivot_hpc.job.config import load_config
     from pivot_hpc.runtime.training_world import OPTIMIZER_MODELS, run_optimizer_models
 
     policy = ModelSpec.from_hf_config(create_model(ARCH, seed=0).config.to_dict(), name="policy")

@@ -24,15 +24,15 @@ import pytest
 import torch
 
 from pivot_hpc.agentic.server import SandboxServer
-from pivot_hpc.config import load_config
+from pivot_hpc.bench.calculator_eval import held_out
 from pivot_hpc.coordinator.coordinator import NullTelemetry, Stats
 from pivot_hpc.coordinator.events import SequenceFinished, ToolReturned
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.coordinator.shifts import ShiftExecutor
 from pivot_hpc.coordinator.turns import TurnLoop
 from pivot_hpc.engines.hf.engine import HFEngine
+from pivot_hpc.job.config import load_config
 from pivot_hpc.models.zoo import load_model
-from pivot_hpc.recipes.calculator_eval import held_out
 from pivot_hpc.recipes.tiny_models import ensure_model
 from pivot_hpc.rl.rewards import verifiable_reward
 from pivot_hpc.runtime.live_samples import LiveSamples

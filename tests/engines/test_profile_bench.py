@@ -7,7 +7,6 @@ import json
 import pytest
 
 from pivot_hpc.cli.main import main
-from pivot_hpc.config import load_config
 from pivot_hpc.engines.profile import (
     apply_profiles,
     fit_prefill,
@@ -16,6 +15,7 @@ from pivot_hpc.engines.profile import (
     prefill_sweep,
     sweep,
 )
+from pivot_hpc.job.config import load_config
 
 
 def test_sweep_and_fit(tiny_model):

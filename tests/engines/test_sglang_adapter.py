@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 
-from pivot_hpc.config import load_config
 from pivot_hpc.config.loader import ConfigError, validate_tree
 from pivot_hpc.engines.base import InferenceEngine, SamplingParams
 from pivot_hpc.engines.config import EnginesConfig, InferenceEngineConfig
@@ -30,6 +29,7 @@ from pivot_hpc.engines.sglang import engine as sglang_engine_mod
 from pivot_hpc.engines.sglang import launch
 from pivot_hpc.engines.sglang.engine import SGLangEngine, SGLangUnavailable, load_sglang_api
 from pivot_hpc.engines.sglang.weights import plan_buckets, serialized_buckets
+from pivot_hpc.job.config import load_config
 from pivot_hpc.runtime import devices, stop
 
 from .fake_sglang import (

@@ -239,8 +239,8 @@ def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
 
 
 def test_live_runs_refuse_what_in_process_vllm_cannot_do_before_launch(monkeypatch):
-    from pivot_hpc.config import load_config
     from pivot_hpc.engines.vllm import launch as vllm_launch
+    from pivot_hpc.job.config import load_config
     from pivot_hpc.runtime.world import LayoutError, check_live_config
 
     monkeypatch.setattr(vllm_launch, "installed_version", lambda: "0.32.0")

@@ -1160,7 +1160,7 @@ TINY_LIVE = [
 ]
 _BUILD = (
     "import json, sys\n"
-    "from pivot_hpc.config import load_config\n"
+    "from pivot_hpc.job.config import load_config\n"
     "from pivot_hpc.recipes.tiny_models import ensure_models\n"
     "cfg = load_config(sys.argv[1], sys.argv[2:])\n"
     "print(json.dumps([str(d) for d in ensure_models(cfg.models, progress=False)]))\n"
@@ -1343,7 +1343,7 @@ def section_live(ctx: Ctx) -> dict:
         "mpirun": mpirun,
     }
     if ctx.dry:
-        from pivot_hpc.config import load_config
+        from pivot_hpc.job.config import load_config
 
         cfg = load_config(str(LIVE_CONFIG), overrides)  # the run's config, validated
         return skip(
@@ -1599,7 +1599,7 @@ def section_checkpoint(ctx: Ctx) -> dict:
 
 def _loop_sizes(cmd: list[str]) -> tuple[int, int]:
     """(batch_prompts, samples_per_prompt) of the run command's config."""
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
 
     i = cmd.index("--run-dir")
     cfg = load_config(cmd[i - 1], cmd[i + 2 :])

@@ -69,8 +69,7 @@ def test_host_ranks_run_tool_calls_in_their_node_sandbox() -> None:
 # ------------------------------------------------------------------ the world's program
 def _world() -> int:
     from pivot_hpc.agentic.config import ToolsConfig
-    from pivot_hpc.config import Config
-    from pivot_hpc.config.schema import ClusterConfig
+    from pivot_hpc.job.config import ClusterConfig, Config
     from pivot_hpc.runtime import host_tools
 
     cfg = Config(

@@ -57,10 +57,10 @@ def vllm_children(session: int | None = None) -> list[str]:
 
 def held_out_accuracy(policy_dir: Path) -> float:
     """Greedy accuracy on the run's validation problems (runtime/evaluation.py's recipe)."""
-    from pivot_hpc.config import load_config
     from pivot_hpc.data.arithmetic import problems
     from pivot_hpc.engines.base import SamplingParams
     from pivot_hpc.engines.hf.engine import HFEngine, generate_all
+    from pivot_hpc.job.config import load_config
     from pivot_hpc.models.tokenizer import decode_response, encode_prompt
     from pivot_hpc.models.zoo import load_model
     from pivot_hpc.rl.rewards import score_answers
@@ -142,7 +142,7 @@ def test_tiny_job_on_vllm_shifts_checkpoints_partials_resumes_and_learns(tmp_pat
     assert not set(vllm_children()) & set(engines)  # none outlived its rank
     final = store.newest(run_dir)
     assert final is not None and store.verify(final)["step"] == STEPS
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
     from pivot_hpc.models.zoo import model_dir
 
     cfg = load_config(str(ROOT / "configs/tiny-vllm.yaml"), OVERRIDES)

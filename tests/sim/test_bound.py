@@ -1,4 +1,4 @@
-"""The work-conserving bound's rates (sim/bound.py): the run's own samples, and never
+"""The work-conserving bound's rates (job/sim_bound.py): the run's own samples, and never
 less time than the simulated engine spends on them."""
 
 from __future__ import annotations
@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pivot_hpc.config import load_config
-from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.rl_state import Sample
-from pivot_hpc.sim.bound import drawn_lengths, inference_gpu_s, solo_seconds
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.config import load_config
+from pivot_hpc.job.sim_bound import drawn_lengths, inference_gpu_s, solo_seconds
+from pivot_hpc.job.sim_settings import sim_settings
+from pivot_hpc.job.simulate import build, simulate
 from pivot_hpc.sim.catalog import (
     HARDWARE,
     MODELS,
@@ -18,8 +20,6 @@ from pivot_hpc.sim.catalog import (
     with_max_running,
 )
 from pivot_hpc.sim.cluster import SimCluster
-from pivot_hpc.sim.run import build, simulate
-from pivot_hpc.sim.settings import sim_settings
 from pivot_hpc.sim.workload import SimPayload, SimWorkload
 from pivot_hpc.telemetry.summary import steady_work_share, step_table, work_conserving_bound
 from tests.sim.test_sim_workload import SMALL

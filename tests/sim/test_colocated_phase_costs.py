@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pivot_hpc.coordinator import build as builder
-from pivot_hpc.sim.backend import SimBackend
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.sim_backend import SimBackend
 from pivot_hpc.telemetry import open_run
 from tests.sim.test_simulator import tiny
 

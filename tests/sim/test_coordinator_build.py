@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pivot_hpc.config import load_config
-from pivot_hpc.coordinator import build as builder
-from pivot_hpc.sim.backend import SimBackend
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.config import load_config
+from pivot_hpc.job.sim_backend import SimBackend
 
 TINY = ["cluster.nodes=1", "cluster.gpus_per_node=4", "training.num_gpus=1", "loop.steps=2"]
 # the paper's caps and veRL's activation recompute
@@ -39,7 +39,7 @@ class RecordingCluster:
 
 
 class LiveShapedBackend(SimBackend):
-    """The live run's costs (the config's own constants, coordinator/build.py) over a
+    """The live run's costs (the config's own constants, job/build.py) over a
     recording cluster: what `build` decides from the config alone."""
 
     simulated = False

@@ -9,12 +9,12 @@ from collections import defaultdict
 import pytest
 
 from pivot_hpc.checkpoint import codec
-from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.hooks import Hooks
 from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.sim_backend import SimBackend
+from pivot_hpc.job.simulate import build
 from pivot_hpc.runtime.checkpoint_records import allow_payload
-from pivot_hpc.sim.backend import SimBackend
-from pivot_hpc.sim.run import build
 from pivot_hpc.sim.workload import SimPayload
 from tests.sim.test_simulator import MODES, tiny
 from tests.sim.trained import run_collecting

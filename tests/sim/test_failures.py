@@ -11,14 +11,14 @@ import pytest
 import yaml
 
 from pivot_hpc.cli.main import main
-from pivot_hpc.config import load_config
 from pivot_hpc.config.loader import ConfigError
-from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.events import ShiftDone
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.config import load_config
+from pivot_hpc.job.sim_backend import SimBackend
+from pivot_hpc.job.simulate import simulate
 from pivot_hpc.planner import role_of
-from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.failures import REFRESH_S, DeathClock
-from pivot_hpc.sim.run import simulate
 from tests.sim.test_simulator import TINY
 from tests.sim.tokens import run_keeping_tokens
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pivot_hpc.config import load_config
-from pivot_hpc.sim.run import simulate
+from pivot_hpc.job.config import load_config
+from pivot_hpc.job.simulate import simulate
 from tests.sim.test_sim_workload import SMALL
 
 # Few samples with long-tailed lengths on 8 GPUs: each batch ends in a tail of a few

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from pivot_hpc.config import load_config
 from pivot_hpc.coordinator.events import ReplicaFailed, ShiftDone
-from pivot_hpc.sim.run import build
+from pivot_hpc.job.config import load_config
+from pivot_hpc.job.simulate import build
 from tests.sim.test_failures import OFTEN, _job
 from tests.sim.test_shift_executor import TINY
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pivot_hpc.config import load_config
 from pivot_hpc.coordinator.events import ShiftDone
-from pivot_hpc.sim.run import build
+from pivot_hpc.job.config import load_config
+from pivot_hpc.job.simulate import build
 
 TINY = ["cluster.nodes=1", "cluster.gpus_per_node=4", "training.num_gpus=1", "loop.steps=4"]
 # the paper's caps and veRL's activation recompute

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pivot_hpc.config import load_config
-from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.hooks import Hooks
-from pivot_hpc.sim.backend import SimBackend
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.config import load_config
+from pivot_hpc.job.sim_backend import SimBackend
+from pivot_hpc.job.simulate import build, simulate
 from pivot_hpc.sim.config import Workload
-from pivot_hpc.sim.run import build, simulate
 from pivot_hpc.sim.workload import SimWorkload
 from pivot_hpc.telemetry.summary import steady_state, step_table, work_conserving_bound
 from tests.sim.tokens import run_keeping_tokens
@@ -169,7 +169,7 @@ GROUP4 = Path(__file__).resolve().parents[2] / "configs/groups/group4-qwen72b-qw
 def test_4096_gpus_start_shift_and_stop_in_a_few_simulated_seconds() -> None:
     """Group 4 scaled to 4096 GPUs: the whole brain runs at that scale (the full timing is
     `pivot-hpc bench sim --gpus 4096 --steps 2`)."""
-    from pivot_hpc.sim.run import scale_to
+    from pivot_hpc.job.simulate import scale_to
 
     cfg = load_config(str(GROUP4), ["deployment.mode=pivot", "loop.steps=2"], files=False)
     cfg = scale_to(cfg, 4096)

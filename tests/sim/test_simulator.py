@@ -10,17 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pivot_hpc.config import load_config
-from pivot_hpc.coordinator import build as builder
-from pivot_hpc.coordinator import modes
 from pivot_hpc.coordinator.hooks import Hooks
 from pivot_hpc.coordinator.rl_state import ConservationError, Sample
+from pivot_hpc.job import build as builder
+from pivot_hpc.job import modes
+from pivot_hpc.job.config import load_config
+from pivot_hpc.job.sim_backend import SimBackend
+from pivot_hpc.job.simulate import build, simulate
 from pivot_hpc.planner import role_of
 from pivot_hpc.scheduler import ThroughputModel
-from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, InferenceCosts, TrainingCosts, inference_costs
 from pivot_hpc.sim.cluster import SimCluster
-from pivot_hpc.sim.run import build, simulate
 from pivot_hpc.sim.workload import SimPayload
 from pivot_hpc.telemetry import open_run
 from tests.sim.tokens import run_keeping_tokens

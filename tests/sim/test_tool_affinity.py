@@ -6,7 +6,7 @@ deterministic."""
 
 from __future__ import annotations
 
-from pivot_hpc.sim.run import build, simulate
+from pivot_hpc.job.simulate import build, simulate
 from tests.sim.test_simulator import tiny
 from tests.sim.trained import run_collecting
 

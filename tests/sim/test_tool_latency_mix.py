@@ -14,8 +14,8 @@ import pytest
 
 from pivot_hpc.agentic.messages import ToolCall
 from pivot_hpc.config.loader import ConfigError
-from pivot_hpc.sim.run import simulate
-from pivot_hpc.sim.settings import sim_workload
+from pivot_hpc.job.sim_settings import sim_workload
+from pivot_hpc.job.simulate import simulate
 from pivot_hpc.telemetry import open_run
 from pivot_hpc.telemetry.reader import Run
 from pivot_hpc.telemetry.summary import summarise

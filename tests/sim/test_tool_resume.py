@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from pivot_hpc.checkpoint import codec
-from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.hooks import Hooks
 from pivot_hpc.coordinator.rl_state import Sample
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.sim_backend import SimBackend
 from pivot_hpc.runtime.checkpoint_records import allow_payload
-from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.workload import SimPayload
 from pivot_hpc.telemetry import open_run
 from tests.sim.test_simulator import tiny

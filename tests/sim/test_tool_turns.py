@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pivot_hpc.sim.run import build, simulate
+from pivot_hpc.job.simulate import build, simulate
 from pivot_hpc.telemetry import open_run
 from pivot_hpc.telemetry.summary import summarise
 from tests.sim.test_simulator import MODES, tiny

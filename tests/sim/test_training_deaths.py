@@ -246,8 +246,8 @@ def test_training_deaths_off_leaves_training_gpus_to_deaths_elsewhere(capsys) ->
 
 
 def test_simulate_reports_training_deaths_and_job_stops(capsys) -> None:
-    from pivot_hpc.config import load_config
-    from pivot_hpc.sim.run import simulate
+    from pivot_hpc.job.config import load_config
+    from pivot_hpc.job.simulate import simulate
     from tests.sim.test_simulator import TINY
 
     overrides = ["deployment.mode=disaggregated", *OFTEN, "sim.failures.mtbf_gpu_hours=0.03"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pivot_hpc.sim.run import simulate
+from pivot_hpc.job.simulate import simulate
 from pivot_hpc.telemetry import open_run
 from pivot_hpc.telemetry.summary import summarise
 from tests.sim.test_simulator import tiny

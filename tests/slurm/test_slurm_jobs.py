@@ -150,7 +150,7 @@ def test_two_node_live_run(slurm_cluster: Slurm, tmp_path: Path) -> None:
     Telemetry names the node that answered each call: both did, every call was answered
     by the calculator itself (no service unavailable, crashed or timed out), and every
     sample was trained once."""
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
     from pivot_hpc.recipes.tiny_models import ensure_models
 
     # The job finds the tools policy and GenRM in the cache this process uses (sbatch
@@ -321,7 +321,7 @@ def test_submit_signal_checkpoints_requeues_and_resumes(
     """(a) USR1 → our checkpoint → requeue, (b) the requeued job resumes from the run dir,
     (c) job.results() does not return after the first allocation."""
     from pivot_hpc.cli.submit import submit
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
 
     for k, v in slurm_cluster.env().items():
         monkeypatch.setenv(k, v)

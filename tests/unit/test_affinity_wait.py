@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivot_hpc.config import load_config
 from pivot_hpc.config.loader import ConfigError
+from pivot_hpc.job.config import load_config
 from pivot_hpc.scheduler import Scheduler, SchedulerError, SeqState, ThroughputModel
 from pivot_hpc.scheduler.scheduler import _HEAD
 from tests.unit.reference_scheduler import RefReplica, RefScheduler
@@ -191,7 +191,7 @@ def test_the_wait_survives_clone_abort_and_its_bound_is_checked() -> None:
 
 def test_the_config_key_is_checked_and_documented() -> None:
     from pivot_hpc.config.docs import field_docs
-    from pivot_hpc.config.schema import SchedulerConfig
+    from pivot_hpc.scheduler.config import SchedulerConfig
 
     assert load_config(None, ["scheduler.affinity_wait_s=0.5"]).scheduler.affinity_wait_s == 0.5
     for bad in ("-1", "nan", "inf"):
@@ -268,8 +268,8 @@ def test_matches_the_reference_with_waits(model, n_rep, cap, seqs, slack, rounds
 def test_live_hf_runs_do_not_wait_for_a_prefix_cache_they_do_not_have() -> None:
     from types import SimpleNamespace
 
-    from pivot_hpc.config import load_config
-    from pivot_hpc.coordinator.build import affinity_wait
+    from pivot_hpc.job.build import affinity_wait
+    from pivot_hpc.job.config import load_config
 
     live, sim = SimpleNamespace(simulated=False), SimpleNamespace(simulated=True)
     hf = load_config(None, ["scheduler.affinity_wait_s=2"])

@@ -1,12 +1,12 @@
-"""The calculator check's multi-turn rollout (recipes/calculator_eval.py), driven by a
+"""The calculator check's multi-turn rollout (bench/calculator_eval.py), driven by a
 scripted engine: turns end at "</calc>", the evaluator's observation is appended as
 tokens with loss mask 0 and logprob placeholders, and the result trains as one batch."""
 
 from __future__ import annotations
 
+from pivot_hpc.bench.calculator_eval import rollouts
 from pivot_hpc.engines.base import FinishReason, SeqResult
 from pivot_hpc.models.tokenizer import build_tokenizer
-from pivot_hpc.recipes.calculator_eval import rollouts
 from pivot_hpc.rl.batch import Trajectory, assemble
 from pivot_hpc.rl.config import GRPOConfig
 from pivot_hpc.rl.rewards import verifiable_reward

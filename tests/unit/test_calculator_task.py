@@ -115,7 +115,8 @@ def test_the_default_task_and_its_cache_keys_are_unchanged() -> None:
     [("models.operands=1", ">= 2 numbers"), ("models.policy.sft.tool_slip=1.5", "a share")],
 )
 def test_the_task_keys_are_validated_by_name(override: str, says: str) -> None:
-    from pivot_hpc.config import ConfigError, load_config
+    from pivot_hpc.config import ConfigError
+    from pivot_hpc.job.config import load_config
 
     with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")) as e:
         load_config(None, [override])
@@ -125,7 +126,7 @@ def test_the_task_keys_are_validated_by_name(override: str, says: str) -> None:
 def test_the_tools_config_loads_with_its_task() -> None:
     from pathlib import Path
 
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "tiny-tools.yaml")
     assert (cfg.models.operands, cfg.models.calculator, cfg.tools.enabled) == (3, True, True)

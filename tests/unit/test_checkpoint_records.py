@@ -22,7 +22,7 @@ from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SeqResult
 from pivot_hpc.rl.rewards import GenRMStats
 from pivot_hpc.runtime.checkpointing import RANKS, RL_STATE, coordinator_rng
-from pivot_hpc.runtime.live_samples import LivePayload
+from pivot_hpc.runtime.live_payload import LivePayload
 from tests.unit.test_checkpoint_store import TINY, tiny_config
 
 VOCAB = 128  # configs/tiny.yaml's models (ModelConfig.vocab_size)
@@ -78,8 +78,8 @@ def refused(run_dir: Path, capsys, monkeypatch) -> str:
 
 
 def test_a_genuine_state_passes(tmp_path: Path) -> None:
-    from pivot_hpc.config import load_config
-    from pivot_hpc.runtime.checkpoint_records import find_resume
+    from pivot_hpc.job.config import load_config
+    from pivot_hpc.runtime.resume_check import find_resume
 
     ckpt = write_resumable(tmp_path, genuine_state())
     found = find_resume(tmp_path, load_config(TINY))

@@ -12,7 +12,8 @@ import yaml
 
 from pivot_hpc.checkpoint import store
 from pivot_hpc.cli.main import main
-from pivot_hpc.config import load_config, to_dict
+from pivot_hpc.config import to_dict
+from pivot_hpc.job.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -166,7 +167,7 @@ def test_state_files_with_a_pickle_inside_are_data_errors(tmp_path: Path) -> Non
     from pivot_hpc.coordinator.rl_state import Sample
     from pivot_hpc.data.problem import Problem
     from pivot_hpc.engines.base import SeqResult
-    from pivot_hpc.runtime.live_samples import LivePayload
+    from pivot_hpc.runtime.live_payload import LivePayload
 
     res = SeqResult(7, [1, 2], [3, 4], [-0.5, -1.25], "abort", version=2)
     s = Sample(7, 1, 3, 0, 2, LivePayload(Problem("p", "4"), [1, 2], res), version_start=1)
@@ -331,7 +332,7 @@ def test_malformed_state_files_are_one_line(tmp_path: Path, text: str, says: str
 def test_a_key_added_after_the_checkpoint_is_compared_with_its_default(tmp_path: Path) -> None:
     """A checkpoint written before a config key existed ran with the key's default: an
     upgrade of pivot_hpc between allocations resumes, a changed value is still refused."""
-    from pivot_hpc.config import default_dict
+    from pivot_hpc.job.config import default_dict
 
     saved = tiny_config()
     del saved["engines"]["rollout"]["process"]  # as written by a pivot_hpc without the key
@@ -347,7 +348,7 @@ def test_a_key_added_after_the_checkpoint_is_compared_with_its_default(tmp_path:
 def test_a_checkpoint_with_the_simulators_old_keys_still_resumes(tmp_path: Path) -> None:
     """Checkpoints written before the simulator's settings moved into the live sections
     (configs/groups/) hold `sim.hardware` and friends; a live run never read them."""
-    from pivot_hpc.config import default_dict
+    from pivot_hpc.job.config import default_dict
 
     saved = tiny_config()
     saved["sim"].update(hardware="h20", training_tp=1, policy_model="qwen2.5-7b")

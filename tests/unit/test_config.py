@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pivot_hpc.config import ConfigError, load_config, to_dict
+from pivot_hpc.config import ConfigError, to_dict
+from pivot_hpc.job.config import load_config
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -144,7 +145,7 @@ def test_bad_override_value_is_one_line() -> None:
 def test_cluster_timeouts_are_config_keys_with_checkpoint_sized_defaults() -> None:
     """A checkpoint barrier among training ranks (and SGLang's watchdog during a large
     model's start or a paused update) can take minutes: both are keys, not constants."""
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
 
     cfg = load_config(None)
     assert cfg.rl.trainer.collective_timeout_s >= 600

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pivot_hpc.config.schema import PlannerConfig, ShiftTimes
 from pivot_hpc.coordinator.inference_rates import InferenceRates
 from pivot_hpc.coordinator.monitor import MeasuredTrainingTime
 from pivot_hpc.coordinator.shifts import ShiftExecutor
 from pivot_hpc.planner import Snapshot, SnapshotError, Topology, TrainingState, replica_id
+from pivot_hpc.planner.config import PlannerConfig, ShiftTimes
 from pivot_hpc.planner.elastic import ElasticInputs, elastic_plan
 from pivot_hpc.planner.pairs import penalty
 from pivot_hpc.planner.plan import ShiftPlan

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pivot_hpc.config import ConfigError, load_config
+from pivot_hpc.config import ConfigError
 from pivot_hpc.config.code_keys import SGLANG_CODE_ARGS, VLLM_CODE_ARGS
+from pivot_hpc.job.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -66,6 +67,6 @@ def test_through_the_cli_it_is_exit_2_and_one_line() -> None:
 
 
 def test_the_refused_keys_are_listed_in_the_security_docs() -> None:
-    text = (REPO / "docs" / "security.md").read_text()
+    text = (REPO / "docs" / "guide" / "security.md").read_text()
     missing = [k for k in {**VLLM_CODE_ARGS, **SGLANG_CODE_ARGS} if f"`{k}`" not in text]
     assert not missing, f"docs/guide/security.md does not list {missing}"

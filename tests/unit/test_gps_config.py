@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pivot_hpc.config import ConfigError, load_config
+from pivot_hpc.config import ConfigError
 from pivot_hpc.gps import GPSConfig
 from pivot_hpc.gps.links import LinkModel
+from pivot_hpc.job.config import load_config
 
 
 def test_gps_section_loads_with_overrides():

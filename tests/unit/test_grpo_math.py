@@ -177,7 +177,8 @@ def test_overlong_penalty_is_dapos_soft_punishment(length: int, want: float) -> 
     ],
 )
 def test_rl_feature_keys_are_validated_by_name(override: str, says: str) -> None:
-    from pivot_hpc.config import ConfigError, load_config
+    from pivot_hpc.config import ConfigError
+    from pivot_hpc.job.config import load_config
 
     with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")) as e:
         load_config(TINY, [override])
@@ -185,8 +186,8 @@ def test_rl_feature_keys_are_validated_by_name(override: str, says: str) -> None
 
 
 def test_loss_fn_is_checked_before_launch() -> None:
-    from pivot_hpc.config import load_config
     from pivot_hpc.errors import ConfigError
+    from pivot_hpc.job.config import load_config
     from pivot_hpc.rl.grpo import ppo_clip_loss, resolve_loss
     from pivot_hpc.runtime.world import check_live_config
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pivot_hpc.config import load_config
 from pivot_hpc.config import loader as config_loader
 from pivot_hpc.config.loader import MAX_SHOWN_CHARS, ConfigError, load_yaml_text, short_repr
 from pivot_hpc.errors import PivotError
+from pivot_hpc.job.config import load_config
 
 TINY = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 
@@ -206,7 +206,7 @@ def test_absurd_cluster_sizes_fail_validation(override: str, key: str) -> None:
 
 def test_the_simulators_thousands_of_gpus_still_validate() -> None:
     from pivot_hpc.config import validate_tree
-    from pivot_hpc.sim.run import scale_to
+    from pivot_hpc.job.simulate import scale_to
 
     root = Path(__file__).parents[2] / "configs" / "groups"
     for path in sorted(root.glob("*.yaml")):

@@ -12,7 +12,7 @@ import pytest
 
 from pivot_hpc.cli import local_world
 from pivot_hpc.cli.main import main
-from pivot_hpc.config import load_config
+from pivot_hpc.job.config import load_config
 from pivot_hpc.runtime import run_dir as run_dirs
 from pivot_hpc.runtime import stop
 

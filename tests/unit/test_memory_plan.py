@@ -18,9 +18,10 @@ import pytest
 
 from pivot_hpc.cli.main import main
 from pivot_hpc.cli.plan import load_for_plan, make_plan, plan_json
-from pivot_hpc.config import ConfigError, load_config
+from pivot_hpc.config import ConfigError
 from pivot_hpc.gps import ModelSpec as GPSModelSpec
 from pivot_hpc.gps.layout import max_node_bytes
+from pivot_hpc.job.config import load_config
 from pivot_hpc.planning import MemoryPlanError, build_plan, check_memory
 from pivot_hpc.planning.host import gps_bytes
 from pivot_hpc.planning.inputs import GIB, TrainInputs, catalog_key, live_inputs, sim_inputs

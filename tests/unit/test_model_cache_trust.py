@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pivot_hpc.cli.main import main
-from pivot_hpc.config import load_config
 from pivot_hpc.errors import UsageError
+from pivot_hpc.job.config import load_config
 from pivot_hpc.models.zoo import model_dir
 from pivot_hpc.recipes.tiny_models import ensure_model, ensure_models
 

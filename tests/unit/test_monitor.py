@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivot_hpc.config.schema import PlannerConfig, ShiftTimes
 from pivot_hpc.coordinator.monitor import OnlineFit, ShiftClock
 from pivot_hpc.planner import Snapshot, Topology, TrainingState, replica_id
+from pivot_hpc.planner.config import PlannerConfig, ShiftTimes
 from pivot_hpc.planner.pairs import penalty
 from pivot_hpc.planner.planner import make_strategy
 from pivot_hpc.planner.prewarm import reload_worth, training_return

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pivot_hpc.config.schema import PlannerConfig
 from pivot_hpc.coordinator.tool_waits import WINDOW, ToolWaits
 from pivot_hpc.coordinator.turns import Parked, TurnLoop
 from pivot_hpc.planner import Snapshot, Topology, TrainingState, replica_id, role_of
+from pivot_hpc.planner.config import PlannerConfig
 from pivot_hpc.planner.planner import make_strategy
 from pivot_hpc.scheduler import Scheduler, SeqState, ThroughputModel
 

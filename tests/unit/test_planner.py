@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pivot_hpc.config.schema import PlannerConfig, ShiftTimes
 from pivot_hpc.planner import (
     Snapshot,
     SnapshotError,
@@ -14,6 +13,7 @@ from pivot_hpc.planner import (
     overall_throughput,
     replica_id,
 )
+from pivot_hpc.planner.config import PlannerConfig, ShiftTimes
 from pivot_hpc.planner.pairs import shift_pairs
 from pivot_hpc.planner.planner import PivotStrategy, latency_tau, search_candidates
 from pivot_hpc.scheduler import BusyModel, Scheduler, SeqState, ThroughputModel

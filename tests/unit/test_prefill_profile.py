@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from pivot_hpc.config import load_config
 from pivot_hpc.config.loader import ConfigError
-from pivot_hpc.coordinator.build import configured_costs, configured_topology
 from pivot_hpc.engines.profile import (
     PrefillSample,
     Sample,
@@ -18,6 +16,8 @@ from pivot_hpc.engines.profile import (
     load_profile,
     write_profile,
 )
+from pivot_hpc.job.build import configured_costs, configured_topology
+from pivot_hpc.job.config import load_config
 
 OLD_PROFILE = {  # what `pivot-hpc profile` wrote before it measured prefill
     "engine": "hf",

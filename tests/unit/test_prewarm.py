@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from pivot_hpc.config.schema import PlannerConfig
 from pivot_hpc.planner import Snapshot, Topology, TrainingState, replica_id
+from pivot_hpc.planner.config import PlannerConfig
 from pivot_hpc.planner.pairs import shift_pairs
 from pivot_hpc.planner.planner import PivotStrategy, current_throughput, make_strategy
 from pivot_hpc.planner.prewarm import prewarm_plan, training_return

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pivot_hpc.cli.main import main
-from pivot_hpc.config import load_config
+from pivot_hpc.job.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")

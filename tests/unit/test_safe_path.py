@@ -119,7 +119,7 @@ def test_submitit_runs_its_tasks_with_safe_path(tmp_path: Path, monkeypatch) -> 
     """`pivot-hpc submit`: submitit's runner on every task is `python -P -u -m
     submitit.core._submit`, and the batch script exports PYTHONSAFEPATH."""
     from pivot_hpc.cli.submit import submit
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

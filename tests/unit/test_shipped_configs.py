@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pivot_hpc.config import ConfigError, load_config
+from pivot_hpc.config import ConfigError
 from pivot_hpc.config.loader import MAX_SHOWN_CHARS, load_yaml
+from pivot_hpc.job.config import load_config
 from pivot_hpc.rl.config import TrainerConfig
 from pivot_hpc.sim.config import SimConfig, WorkloadConfig
 
@@ -88,8 +89,8 @@ def test_plan_json_fits_h20_both_ways(path: Path, capsys: pytest.CaptureFixture[
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_simulator_reading(path: Path) -> None:
-    from pivot_hpc.sim.run import build
-    from pivot_hpc.sim.settings import sim_settings
+    from pivot_hpc.job.sim_settings import sim_settings
+    from pivot_hpc.job.simulate import build
 
     cfg = load_config(path, ["loop.steps=1"], files=False)  # no model or data files here
     policy_tp, _genrm_tp, gpus, _train, policy, genrm = TABLE[path.name.split("-")[0]]
@@ -192,7 +193,7 @@ def test_a_missing_model_directory_is_named(tmp_path: Path) -> None:
 
 def test_a_directory_outside_the_catalog_is_named_for_the_simulator(tmp_path: Path) -> None:
     # live runs need no catalog name; the simulator says which key gives it one
-    from pivot_hpc.sim.settings import sim_settings
+    from pivot_hpc.job.sim_settings import sim_settings
 
     cfg = load_config(CONFIGS[0], ["models.policy_path=/models/Llama-3-8B"], files=False)
     with pytest.raises(ConfigError, match="models.policy_catalog.*Llama-3-8B"):

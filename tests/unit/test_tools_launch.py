@@ -15,9 +15,9 @@ import pytest
 from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.agentic.messages import ToolCall, ToolResult
 from pivot_hpc.cli.main import main
-from pivot_hpc.config import Config, default_dict, load_config, to_dict
-from pivot_hpc.config.schema import ClusterConfig
+from pivot_hpc.config import to_dict
 from pivot_hpc.errors import ConfigError, PivotError
+from pivot_hpc.job.config import ClusterConfig, Config, default_dict, load_config
 from pivot_hpc.runtime import host_tools
 from pivot_hpc.runtime.protocol import Command, Event, Stop
 from pivot_hpc.runtime.world import LayoutError, check_before_launch, check_tools

@@ -45,7 +45,8 @@ def test_a_missing_tracker_package_is_one_line_before_launch(
 
 
 def test_tracking_keys_are_validated() -> None:
-    from pivot_hpc.config import ConfigError, load_config
+    from pivot_hpc.config import ConfigError
+    from pivot_hpc.job.config import load_config
 
     with pytest.raises(ConfigError, match="tracking.backends"):
         load_config(TINY, ["tracking.backends=[neptune]"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pivot_hpc.config import load_config
+from pivot_hpc.job.config import load_config
 from pivot_hpc.models.qwen2 import create_model, model_config_of, model_config_of_dir
 from pivot_hpc.runtime.training_seat import TrainingSeat
 from pivot_hpc.runtime.training_world import TrainingWorld

@@ -75,5 +75,5 @@ def test_the_readme_states_the_vllm_install_facts():
         "docs/guide/vllm.md",
     ):
         assert text in readme, text
-    doc = (ROOT / "docs" / "engines.md").read_text()
+    doc = (ROOT / "docs" / "guide" / "vllm.md").read_text()
     assert re.search(r"torchvision.*torchaudio.*torchcodec", doc, re.S)

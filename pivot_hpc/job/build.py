@@ -1,7 +1,7 @@
 """The one way to build a job from a config: `build(cfg, backend)` (docs/design.md §2: one
 brain, two clusters). The simulator, the live run, the benches and the tests all call it.
 
-What differs between a simulated and a live job comes from its backend (coordinator/job.py):
+What differs between a simulated and a live job comes from its backend (job/backend.py):
 the cluster, the replicas' throughput models and KV capacities (catalog costs in the
 simulator, engine profiles live), where samples come from and how they are rewarded,
 resume, telemetry and the hooks around the loop. Everything the config decides — which
@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pivot_hpc.config import Config
 from pivot_hpc.coordinator.coordinator import Coordinator
-from pivot_hpc.coordinator.job import Backend, Costs, Job
-from pivot_hpc.coordinator.modes import make_mode
 from pivot_hpc.coordinator.monitor import MeasuredTrainingTime
 from pivot_hpc.coordinator.rl_state import RLState, SampleSource
+from pivot_hpc.job.backend import Backend, Costs, Job
+from pivot_hpc.job.config import Config
+from pivot_hpc.job.modes import make_mode
 from pivot_hpc.planner import Topology
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES
 from pivot_hpc.scheduler import BusyModel, ReplicaModel, ThroughputModel

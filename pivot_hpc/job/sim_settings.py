@@ -2,8 +2,8 @@
 
 One config describes a deployment for `pivot-hpc run`, `pivot-hpc simulate` and
 `pivot-hpc plan`. The simulator reads every setting a live run has from its live key, and
-this is the only place it does: the simulated cluster (sim/run.py), its bounds
-(sim/bound.py) and the memory plan's simulator twin (planning/inputs.py) all cost the same
+this is the only place it does: the simulated cluster (job/simulate.py), its bounds
+(job/sim_bound.py) and the memory plan's simulator twin (planning/inputs.py) all cost the same
 `SimSettings`. The `sim:` section adds only the synthetic workload (sim/config.py).
 """
 
@@ -19,7 +19,7 @@ from pivot_hpc.sim.catalog import MODELS, TrainingTerms, catalog_key
 from pivot_hpc.sim.config import Workload
 
 if TYPE_CHECKING:
-    from pivot_hpc.config import Config
+    from pivot_hpc.job.config import Config
     from pivot_hpc.sim.workload import SimWorkload
 
 # What the simulator assumes where a config names no GPU or model (CPU configs, tests):

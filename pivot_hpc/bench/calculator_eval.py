@@ -12,7 +12,7 @@ Without tools the response is forced to start with "Answer: " (the no-tool answe
 format), so the policy must add in its head. Accuracy is the verifiable reward's
 (`rl/rewards.py`: the answer after the last observation).
 
-    python -m pivot_hpc.recipes.calculator_eval configs/tiny-tools.yaml [key=value …]
+    python -m pivot_hpc.bench.calculator_eval configs/tiny-tools.yaml [key=value …]
         [--problems 256] [--temperatures 0 1]
 """
 
@@ -221,7 +221,7 @@ def held_out(models_cfg, n: int) -> list[Problem]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pivot_hpc.config import load_config
+    from pivot_hpc.job.config import load_config
     from pivot_hpc.models.zoo import load_model
     from pivot_hpc.recipes.tiny_models import ensure_model
 

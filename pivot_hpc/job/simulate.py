@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pivot_hpc.config import Config
 from pivot_hpc.config.loader import ConfigError
-from pivot_hpc.coordinator import build as builder
 from pivot_hpc.coordinator.coordinator import Coordinator
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.config import Config
+from pivot_hpc.job.sim_backend import SimBackend
 from pivot_hpc.progress import Progress
-from pivot_hpc.sim.backend import SimBackend
 from pivot_hpc.sim.cluster import SimCluster
 from pivot_hpc.telemetry.summary import (
     processed_rates,

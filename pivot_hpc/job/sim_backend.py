@@ -1,6 +1,6 @@
-"""The simulator's backend (coordinator/job.py): catalog costs, the synthetic workload, the
+"""The simulator's backend (job/backend.py): catalog costs, the synthetic workload, the
 SimCluster, and the telemetry header's bound rates. `build(cfg, SimBackend(...))` makes a
-simulated job; `sim/run.py` runs it.
+simulated job; `job/simulate.py` runs it.
 """
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pivot_hpc.config import Config, to_dict
+from pivot_hpc.config import to_dict
 from pivot_hpc.coordinator.hooks import Hooks
-from pivot_hpc.coordinator.job import Costs
-from pivot_hpc.sim.bound import batched_lengths, bound_rates, critical_path_rate
+from pivot_hpc.job.backend import Costs
+from pivot_hpc.job.config import Config
+from pivot_hpc.job.sim_bound import batched_lengths, bound_rates, critical_path_rate
+from pivot_hpc.job.sim_settings import sim_settings, sim_workload
 from pivot_hpc.sim.catalog import (
     HARDWARE,
     MODELS,
@@ -26,13 +28,12 @@ from pivot_hpc.sim.catalog import (
     with_max_running,
 )
 from pivot_hpc.sim.cluster import SimCluster
-from pivot_hpc.sim.settings import sim_settings, sim_workload
 from pivot_hpc.sim.workload import sim_rewarder
 
 
 def role_model(cfg: Config, role: str) -> ModelSpec:
     """The catalog model of a role (models.<policy|genrm>_catalog, or the one its model
-    directory names), or the model its profile file describes (sim/settings.py)."""
+    directory names), or the model its profile file describes (job/sim_settings.py)."""
     s = sim_settings(cfg)
     name, profile = s.models[role], s.profiles[role]
     if name in MODELS or profile is None:
@@ -130,7 +131,7 @@ class SimBackend:
             "reward_model": self.judge.name,
             "config": json.dumps(to_dict(cfg)),
             # For the work-conserving bound (telemetry/summary.py): what the simulated
-            # engines charge per token of this run's samples at their best (sim/bound.py).
+            # engines charge per token of this run's samples at their best (job/sim_bound.py).
             **bound_rates(cfg, self.inference, self.training, lengths),
             "bound_critical_path": critical_path_rate(
                 lengths, self.inference, self.training, rl.staleness, cfg.cluster.total_gpus

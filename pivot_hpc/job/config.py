@@ -8,18 +8,29 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.checkpoint.config import CheckpointConfig
 from pivot_hpc.config.code_keys import refuse_code_args
-from pivot_hpc.config.loader import ConfigError, fail
+from pivot_hpc.config.loader import (
+    ConfigError,
+    apply_overrides,
+    fail,
+    from_dict,
+    load_yaml,
+    migrate_moved,
+    to_dict,
+    validate_tree,
+)
 from pivot_hpc.coordinator.config import DeploymentConfig, LoopConfig
 from pivot_hpc.engines.config import EnginesConfig
 from pivot_hpc.gps.config import GPSConfig
 from pivot_hpc.models.config import ModelsConfig
+from pivot_hpc.planner.config import PlannerConfig
 from pivot_hpc.rl.config import RLConfig
-from pivot_hpc.scheduler.config import ThroughputConfig
+from pivot_hpc.scheduler.config import SchedulerConfig, ThroughputConfig
 from pivot_hpc.sim.config import SimConfig
 from pivot_hpc.tracking.config import TrackingConfig
 
@@ -114,114 +125,6 @@ class TrainingRoleConfig:
 
 
 @dataclass(kw_only=True)
-class ShiftTimes:
-    """τ_shift per role that shifts down (seconds), used in the penalty φ = Σ τ_shift·T_i."""
-
-    rollout: float = 2.0  # seconds a rollout replica takes to shift
-    reward: float = 2.0  # seconds a GenRM replica takes to shift
-    training: float = 5.0  # seconds training takes to shift
-
-    def validate(self, path: str) -> None:
-        for name in ("rollout", "reward", "training"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                fail(f"{path}.{name}", v, "shift time must be finite and >= 0 seconds")
-
-
-@dataclass(kw_only=True)
-class PlannerConfig:
-    """When and how to shift GPUs between roles (paper §7, §8.4)."""
-
-    # the paper's planner, or an §8.4 ablation
-    # pivot+ (ours): pivot, with the re-prefill of the sequences a plan migrates counted
-    # in its penalty, no GPUs moved back before the plan that moved them has repaid its
-    # penalty (break-even φ / gain), reward's last replica kept while rollouts run, plans
-    # at once on a stall (planner/planner.py), and training pre-warmed in its batch's tail
-    # (planner/prewarm.py)
-    strategy: Literal["pivot", "pivot+", "static", "rule", "vanilla"] = "pivot"
-    horizon_s: float = 60.0  # H: how long a shift's throughput gain is expected to last
-    interval_s: float = 1.0  # how often the planner looks at a fresh snapshot
-    # τ_shift per role: the planner's starting values (until measured, see refit_shift_time)
-    shift_time_s: ShiftTimes = field(default_factory=ShiftTimes)
-    # Refit τ_shift from the shifts the run makes (request → done, as the coordinator sees
-    # it) and use the measured values in the penalty from then on (coordinator/monitor.py)
-    refit_shift_time: bool = True
-    # Refit each inference role's throughput constants A–D from the engines' own decode
-    # step statistics while the job runs (live engines; the simulator's engine is its model)
-    refit_throughput: bool = True
-    rule_high_util: float = 0.8  # `rule`: shift up a role above this KV utilisation
-    rule_low_util: float = 0.1  # `rule`: shift down a role below this KV utilisation
-    # Simulate every candidate while there are at most this many (the paper's procedure);
-    # past it, a coarse-to-fine search over the shift-up count k (≈ 2·log K simulations).
-    max_exact_candidates: int = 64
-    # Elastic training (beyond the paper): before each step training may grow its
-    # data-parallel size onto GPUs outside its set and give them back between steps, when
-    # the step's time saved outweighs the inference lost and the re-shard through GPS
-    # (planner/elastic.py). pivot mode only: the static modes keep their allocation.
-    elastic_training: bool = False
-
-    def validate(self, path: str) -> None:
-        if not math.isfinite(self.horizon_s) or self.horizon_s < 0:
-            fail(f"{path}.horizon_s", self.horizon_s, "H must be a finite number of seconds >= 0")
-        if self.max_exact_candidates < 1:
-            fail(f"{path}.max_exact_candidates", self.max_exact_candidates, "must be >= 1")
-        if self.interval_s <= 0:
-            fail(f"{path}.interval_s", self.interval_s, "the planning interval must be > 0 s")
-        if not 0 <= self.rule_low_util < self.rule_high_util <= 1:
-            fail(
-                f"{path}.rule_low_util",
-                (self.rule_low_util, self.rule_high_util),
-                "need 0 <= rule_low_util < rule_high_util <= 1",
-            )
-
-
-@dataclass(kw_only=True)
-class SchedulerConfig:
-    """Shift-aware scheduler (paper §6)."""
-
-    priority: Literal["seq_id", "longest_first", "shortest_first"] = "seq_id"  # queue order
-    migration: bool = True  # shift-up migration (Alg. 4); off = the `vanilla` ablation
-    # How many of a role's sequences run at once (beyond the paper). `all`: every queued
-    # sequence that fits (KV capacity, the engines' running-request cap), as in §6.
-    # `pipeline`: at most the concurrency the staleness pipeline can use, (staleness+1) ×
-    # batch × mean/longest generated length (measured), the rest waits in priority order
-    # so older batches finish first (scheduler/admission.py). Every mode uses the same.
-    admission: Literal["all", "pipeline"] = "all"
-    # Beyond the paper: at every monitor tick, a role with an idle replica, another running
-    # two or more sequences and nothing queued moves sequences onto the idle ones by Alg.
-    # 4's migration (shortest first, while the role's throughput rises). §6 moves them only
-    # on shifts, so a batch's long tail can crowd one replica while the others idle. Off
-    # where migration is (`migration: false`, the `vanilla` ablation).
-    rebalance: bool = False
-    # Soft affinity of a tool-calling trajectory's next turn to the replica its last turn
-    # ran on, which still caches its prefix (beyond the paper, issue 37): Dispatch places
-    # the turn there instead of the max-ΔT replica when that replica has room and its ΔT
-    # is at least (1 − affinity_slack) × the best ΔT. The returning turn then prefills only
-    # its tool observation instead of its whole context (vLLM's automatic prefix caching;
-    # the simulator models it; the hf engine has no prefix cache). 0 = off; 0.1 gives up
-    # at most 10 % of the best replica's marginal throughput for the saved prefill.
-    affinity_slack: float = 0.1
-    # Bounded wait for that replica (issue 37): a returning turn whose preferred replica is
-    # still up (the incarnation that ran its last turn) but at its running cap or without
-    # KV room stays queued up to this many seconds from its submit instead of going to
-    # another replica. It goes there as soon as a slot frees, to the max-ΔT replica once
-    # the wait is over (dispatched then even if nothing frees); sequences behind it are
-    # dispatched past it meanwhile. A replica that shifted down is never waited for.
-    # 0 = never wait (soft affinity only); no effect at affinity_slack 0, nor live on the
-    # hf engine (no prefix cache: a wait would only delay the turn). 2 s: measured on group 2 with
-    # two calls per trajectory (docs/guide/agentic.md), +4 % steady tokens/s and −40 % rollout
-    # prefill at 2 s calls, +1 % (within the seeds' spread) and −13 % at 30 s.
-    affinity_wait_s: float = 2.0
-
-    def validate(self, path: str) -> None:
-        if not 0.0 <= self.affinity_slack <= 1.0:
-            fail(f"{path}.affinity_slack", self.affinity_slack, "must be in [0, 1]")
-        w = self.affinity_wait_s
-        if not math.isfinite(w) or w < 0:
-            fail(f"{path}.affinity_wait_s", w, "must be a finite number of seconds >= 0")
-
-
-@dataclass(kw_only=True)
 class Config:
     """A whole run. Sections appear as top-level YAML keys."""
 
@@ -306,3 +209,28 @@ def _check_gpu_ids(path: str, gpus: list[int], total: int) -> None:
             f"config key '{path}' = {gpus!r}: GPU ids {bad} are outside the cluster "
             f"(valid ids 0..{total - 1}; see cluster.nodes and cluster.gpus_per_node)"
         )
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    files: bool = True,
+) -> Config:
+    """Load a YAML file (or the defaults), apply `a.b=c` overrides, validate once.
+    `files=False`: the config as the simulator reads it, `Config.without_files` (model
+    directories and datasets need not exist here)."""
+    data = load_yaml(path) if path is not None else {}
+    migrate_moved(data, Config)  # deprecated keys read at their new ones (overrides win)
+    apply_overrides(data, overrides, root=Config)
+    cfg = from_dict(Config, data)
+    if not files:
+        cfg = cfg.without_files()
+    validate_tree(cfg)
+    return cfg
+
+
+def default_dict() -> dict:
+    """Every key at its default, as `to_dict` writes it (what a run that predates a key
+    ran with: resume compares a checkpoint's config against it for keys it lacks)."""
+    return to_dict(from_dict(Config, {}))

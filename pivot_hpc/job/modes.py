@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pivot_hpc.config import Config
 from pivot_hpc.config.loader import ConfigError
 from pivot_hpc.coordinator.mode_api import ModeView
+from pivot_hpc.job.config import Config
 from pivot_hpc.planner import Strategy, make_strategy, replica_id
 from pivot_hpc.planner.snapshot import INFERENCE_ROLES, TRAINING, Topology
 

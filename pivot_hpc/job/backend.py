@@ -16,10 +16,10 @@ from pivot_hpc.coordinator.monitor import TrainingTime
 from pivot_hpc.scheduler import ReplicaModel
 
 if TYPE_CHECKING:
-    from pivot_hpc.config import Config
     from pivot_hpc.coordinator.cluster import Cluster
     from pivot_hpc.coordinator.coordinator import Coordinator, Rewarder
     from pivot_hpc.coordinator.rl_state import RLState, SampleSource
+    from pivot_hpc.job.config import Config
     from pivot_hpc.planner import Topology
     from pivot_hpc.telemetry import TelemetryWriter
 

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pivot_hpc.config import Config
-from pivot_hpc.coordinator import build as builder
+from pivot_hpc.job import build as builder
+from pivot_hpc.job.config import Config
+from pivot_hpc.job.sim_settings import sim_workload
 from pivot_hpc.sim.catalog import InferenceCosts, TrainingCosts
-from pivot_hpc.sim.settings import sim_workload
 
 
 def drawn_lengths(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
