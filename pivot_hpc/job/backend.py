@@ -1,7 +1,7 @@
 """A job: the coordinator with its cluster, telemetry and hooks, ready to run — and the
 backend that says what differs between a simulated and a live one (docs/design.md §2).
 
-`coordinator.build.build(cfg, backend)` is the one call that makes a `Job`: `pivot-hpc
+`job.build.build(cfg, backend)` is the one call that makes a `Job`: `pivot-hpc
 simulate`, `pivot-hpc run`, the benches and the tests all go through it.
 """
 

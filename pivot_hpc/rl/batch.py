@@ -109,6 +109,7 @@ def assemble(trajectories: Sequence[Trajectory], grpo: GRPOConfig) -> TrainBatch
         [t.reward for t in trajectories],
         [t.prompt_index for t in trajectories],
         normalize_std=grpo.normalize_std,
+        std=grpo.std,
     )
     logprobs, masks = _finite_logprobs(trajectories)
     masked = any(m is not None for m in masks)

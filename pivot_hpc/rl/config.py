@@ -19,6 +19,9 @@ class GRPOConfig:
     dual_clip: float = 3.0  # cap on the ratio's loss for negative advantages (0 = off)
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against `ref_logprobs`
     normalize_std: bool = True  # divide by the group's std (GRPO); False = Dr.GRPO
+    # which std: "population" (÷ n, the GRPO paper's) or "unbiased" (÷ n − 1, veRL's and
+    # TRL's); a group of one sample has std 0 either way (advantage 0)
+    std: Literal["population", "unbiased"] = "population"
     temperature: float = 1.0  # rollout temperature; training logprobs use the same
     # How token losses become the batch loss (veRL's names): "token-mean" = sum over every
     # response token / their count (DAPO); "seq-mean-token-mean" = each sequence's token
@@ -58,6 +61,8 @@ class GRPOConfig:
     loss_fn: str = "pivot_hpc.rl.grpo:ppo_clip_loss"
 
     def validate(self, path: str) -> None:
+        if self.std not in ("population", "unbiased"):
+            fail(f"{path}.std", self.std, "valid choices: 'population', 'unbiased'")
         module, _, name = self.loss_fn.partition(":")
         if (
             not module

@@ -121,6 +121,7 @@ class Pair:
             t.shutdown()
 
 
+@pytest.mark.slow  # two two-rank worlds each (12 s): the one-rank refit above stays fast
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sharded", [False, True], ids=["full-state", "sharded-optimizer"])
 def test_a_two_rank_training_set_replaced_after_a_death_trains_like_one_that_never_died(

@@ -201,3 +201,13 @@ def test_loss_fn_is_checked_before_launch() -> None:
         cfg = load_config(None, [f"rl.grpo.loss_fn={spec}"])
         with pytest.raises(ConfigError, match=why):
             check_live_config(cfg)
+
+
+def test_the_group_std_is_the_population_one_or_the_unbiased_one():
+    r, g = [1.0, 0.0, 1.0, 0.0], [0, 0, 0, 0]
+    pop = group_advantages(r, g)
+    unb = group_advantages(r, g, std="unbiased")
+    assert pop[0] == pytest.approx(1.0, abs=1e-5)  # ±0.5 / 0.5
+    assert unb[0] == pytest.approx(0.5 / math.sqrt(1.0 / 3.0), abs=1e-5)  # ÷ n − 1
+    with pytest.raises(ValueError, match="std='sample'"):
+        group_advantages(r, g, std="sample")
