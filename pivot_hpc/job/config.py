@@ -224,10 +224,42 @@ def load_config(
     migrate_moved(data, Config)  # deprecated keys read at their new ones (overrides win)
     apply_overrides(data, overrides, root=Config)
     cfg = from_dict(Config, data)
+    _tiny_defaults_with_a_real_model(data, cfg)
     if not files:
         cfg = cfg.without_files()
     validate_tree(cfg)
     return cfg
+
+
+# The schema's defaults are the tiny job's (`pivot-hpc run` with no file runs it); for a
+# model of one's own they would cut every response at 64 tokens without a word, and
+# `simulate` would simulate that. So a config that names a model directory sets them.
+TINY_DEFAULTS = {
+    "rl.max_response_tokens": "the response length the run needs (the paper's groups: 15360)",
+    "rl.reward.genrm_max_tokens": "the GenRM's judgement length (the paper's groups: 20480)",
+    "rollout.kv_capacity_tokens": "one rollout replica's KV cache (`pivot-hpc plan` sizes it)",
+    "reward.kv_capacity_tokens": "one GenRM replica's KV cache (`pivot-hpc plan` sizes it)",
+}
+
+
+def _tiny_defaults_with_a_real_model(data: dict, cfg: Config) -> None:
+    named = [k for k in ("policy_path", "genrm_path") if getattr(cfg.models, k) is not None]
+    if not named:
+        return
+    for dotted, what in TINY_DEFAULTS.items():
+        node: object = data
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None:
+            default = from_dict(Config, {})
+            for part in dotted.split("."):
+                default = getattr(default, part)
+            fail(
+                dotted,
+                default,
+                f"not set, and models.{named[0]} names a model of your own: this default is "
+                f"the tiny job's; set it to {what}",
+            )
 
 
 def default_dict() -> dict:
