@@ -234,7 +234,8 @@ def submit(
         "ntasks_per_node": cfg.cluster.ranks_per_node,  # GPUs + 1 host rank per node
         "time": time_min,
         "signal_delay_s": signal_s,
-        "srun_args": [f"--mpi={mpi}"],
+        # node-major ranks (runtime/world.py checks), no core binding (pivot.sbatch says why)
+        "srun_args": [f"--mpi={mpi}", "--distribution=block", "--cpu-bind=none"],
         "setup": [
             'echo "pivot-hpc submit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, '
             'SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}"',

@@ -23,7 +23,7 @@ from pivot_hpc.errors import PivotError
 from pivot_hpc.job.config import Config
 from pivot_hpc.runtime import stop
 from pivot_hpc.runtime.library_noise import route_to_log
-from pivot_hpc.runtime.world import check_launch, layout
+from pivot_hpc.runtime.world import LayoutError, check_launch, layout
 
 
 def _state_dict_loader(path: Path):
@@ -63,9 +63,14 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         if comm.Get_rank() == 0:
             print(f"pivot-hpc: error: {problem}", file=sys.stderr, flush=True)
         return 2
-    try:
+    try:  # what every rank refuses alike (the same config, the places all ranks gathered)
         check_launch(cfg, comm.Get_size())
         lay = layout(comm, cfg)
+    except LayoutError as e:
+        if comm.Get_rank() == 0:
+            print(f"pivot-hpc: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
         dirs = None
         if lay.is_coordinator:
             from pivot_hpc.recipes.tiny_models import ensure_models

@@ -9,6 +9,7 @@ j-1 of its node, i.e. global GPU id node·gpus_per_node + j-1.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 from pivot_hpc.errors import PivotError
@@ -167,7 +168,44 @@ def check_vllm_roles(cfg: Config) -> None:
 
 
 def layout(comm, cfg: Config) -> Layout:
-    """This rank's place; ranks must be node-major (srun/mpirun's default block order)."""
+    """This rank's place (collective: every rank checks where all the others run). Ranks
+    must be node-major — the first `ranks_per_node` on the first node, and so on — which
+    is srun's block distribution and mpirun's default, but not what srun does with
+    `--distribution=cyclic` or an arbitrary SLURM_DISTRIBUTION a site sets."""
     per = cfg.cluster.ranks_per_node
+    # Slurm's node id counts only where srun started this rank (its task id is the rank);
+    # an mpirun inside an allocation inherits one id for every rank
+    srun = os.environ.get("SLURM_PROCID") == str(comm.Get_rank())
+    node_id = os.environ.get("SLURM_NODEID") if srun else None
+    places = comm.allgather((node_id, socket.gethostname()))
+    why = node_major_problem(places, per)
+    if why is not None:
+        raise LayoutError(
+            f"{why}: the layout needs {per} consecutive ranks per node (cluster.gpus_per_node="
+            f"{cfg.cluster.gpus_per_node} workers + 1 host rank); launch with srun "
+            "--distribution=block (slurm/pivot.sbatch and pivot-hpc submit do) or mpirun "
+            "--map-by slot"
+        )
     node, local = divmod(comm.Get_rank(), per)
     return Layout(comm.Get_rank(), comm.Get_size(), node, local, cfg.cluster.gpus_per_node)
+
+
+def node_major_problem(places: list[tuple[str | None, str]], per: int) -> str | None:
+    """Why ranks placed at `places` (each rank's (SLURM_NODEID or None, hostname), in rank
+    order) are not node-major with `per` ranks per node; None when they are. Each block of
+    `per` consecutive ranks must share one node; under Slurm (every rank has a node id)
+    each block a node of its own. Without Slurm hosts may hold several blocks (pseudo-nodes
+    on one host: gps.pseudo_node_size), never a block split over hosts."""
+    slurm = all(nid is not None for nid, _ in places)
+    where = [f"Slurm node {nid}" for nid, _ in places] if slurm else [h for _, h in places]
+    firsts: dict[str, int] = {}
+    for start in range(0, len(where), per):
+        for r in range(start, min(start + per, len(where))):
+            if where[r] != where[start]:
+                return (
+                    f"rank {r} runs on {where[r]} but rank {start} of its block on {where[start]}"
+                )
+        if slurm and where[start] in firsts:
+            return f"ranks {firsts[where[start]]} and {start} start two blocks on {where[start]}"
+        firsts[where[start]] = start
+    return None
