@@ -56,6 +56,7 @@ VLLM_OWNED_ARGS = frozenset(
         "distributed_executor_backend",
         "enable_sleep_mode",
         "disable_log_stats",
+        "async_scheduling",
     }
 )
 

@@ -121,8 +121,13 @@ def engine_args(
     seed: int,
     device_type: str,
     facts: dict[str, Any],
+    device_memory: tuple[int, int] | None = None,
+    weights_bytes: int = 0,
+    config_key: str = "engines.rollout",
 ) -> dict[str, Any]:
-    """Keyword arguments of vLLM 0.32's EngineArgs (VLLM_OWNED_ARGS are the adapter's)."""
+    """Keyword arguments of vLLM 0.32's EngineArgs (VLLM_OWNED_ARGS are the adapter's).
+    `device_memory`: (free, total) bytes of the GPU it starts on (CUDA builds), for the
+    memory fraction; `weights_bytes`: the checkpoint's size."""
     extra = dict(ec.vllm_args)
     block = int(extra.pop("block_size", 0) or (CPU_BLOCK_SIZE if device_type == "cpu" else 16))
     dtype = str(extra.pop("dtype", facts["dtype"]))
@@ -137,9 +142,15 @@ def engine_args(
     # prompts). Whole prefills need a budget of one full sequence.
     chunked = device_type != "cpu"
     budget = max(ec.prefill_chunk_tokens, ec.max_batch)
+    sized = {}
+    if device_memory is not None:
+        sized["gpu_memory_utilization"] = memory_fraction(
+            device_memory, weights_bytes, blocks * block * per_token, config_key
+        )
     return {
         "enforce_eager": True,  # CUDA graphs / torch.compile: vllm_args may turn them on
         "use_tqdm_on_load": False,
+        **sized,  # (vllm_args may name its own)
         **extra,
         "model": str(model_dir),
         "skip_tokenizer_init": True,  # token ids in and out
@@ -156,8 +167,37 @@ def engine_args(
         "seed": seed,
         "tensor_parallel_size": 1,
         "enable_sleep_mode": device_type == "cuda",
+        # one engine step per `step()` call and nothing between calls (engines/vllm/engine.py):
+        # async scheduling (the CUDA build's default) keeps a batch in flight across calls,
+        # so an abort or a weight update would meet a step computed before it
+        "async_scheduling": False,
         "disable_log_stats": False,  # the adapter's stat logger reads the scheduler's stats
     }
+
+
+# what vLLM holds on the GPU beside weights and KV: activations of a step, the sampler's
+# buffers, the CUDA context and allocator slack (vLLM's own profiling leaves ~1-2 GiB)
+GPU_MARGIN_BYTES = 2 << 30
+
+
+def memory_fraction(
+    device_memory: tuple[int, int], weights_bytes: int, kv_bytes: int, config_key: str
+) -> float:
+    """vLLM's `gpu_memory_utilization` for an engine that needs its weights, its KV cache
+    and a margin: vLLM refuses to start unless that fraction of the whole GPU is free
+    (0.92 by default, even with the KV cache sized in bytes), which a GPU whose trainer is
+    resident never has. One line when even what it needs is not free."""
+    free, total = device_memory
+    need = weights_bytes + kv_bytes + GPU_MARGIN_BYTES
+    if need > free:
+        gib = 1 << 30
+        raise PivotError(
+            f"config key '{config_key}.engine' = 'vllm' needs {need / gib:.1f} GiB on its GPU "
+            f"(weights {weights_bytes / gib:.1f}, KV {kv_bytes / gib:.1f}, margin "
+            f"{GPU_MARGIN_BYTES / gib:.0f}) but {free / gib:.1f} of {total / gib:.1f} GiB are "
+            "free: lower the role's kv_capacity_tokens, or give the role GPUs no trainer holds"
+        )
+    return min(1.0, math.ceil(need / total * 1000) / 1000)
 
 
 def make_vllm_engine(
@@ -193,6 +233,11 @@ def make_vllm_engine(
             f"config key '{key}.device' = {ec.device!r} but the installed vLLM is a "
             f"{api.device_type} build; use 'auto' or install the other extra (docs/guide/vllm.md)"
         )
+    device_memory = None
+    if api.device_type == "cuda":
+        import torch
+
+        device_memory = tuple(torch.cuda.mem_get_info())
     args = engine_args(
         ec,
         d,
@@ -201,6 +246,9 @@ def make_vllm_engine(
         seed=seed,
         device_type=api.device_type,
         facts=facts,
+        device_memory=device_memory,
+        weights_bytes=sum(f.stat().st_size for f in d.glob("*.safetensors")),
+        config_key=key,
     )
     stats = StepStats()
     import torch
