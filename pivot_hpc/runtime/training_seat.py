@@ -87,8 +87,11 @@ class TrainingSeat:
         """Build the trainer (preserved context), shifted down; the KL reference."""
         self.trainer = self._make_trainer()
         self.trainer.offload_optimizer()
-        if self.extension and self.trainer.device.type == "cuda":
-            self.trainer.release_memory()  # GPS holds what it reads when it joins
+        if self.trainer.device.type == "cuda":
+            # shifted down as a shift-down leaves it: the parameters come from GPS at the
+            # first shift-up, and an inference engine that starts on this GPU first (pivot
+            # mode starts every GPU rolling out) finds the memory free (issue 48)
+            self.trainer.release_memory()
         if self.child and self.gps.version("policy") == self.trainer.version:
             self._publish_optimizer()  # (resumed: after the checkpoint's restore)
         if self.cfg.rl.grpo.kl_coef > 0:
