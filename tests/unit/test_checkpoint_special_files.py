@@ -43,9 +43,16 @@ def _fifo(p: Path) -> None:
 
 
 def _socket(p: Path) -> None:
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(str(p))
-    s.close()
+    # bind by a relative name from its own directory: a pytest tmp path can exceed
+    # AF_UNIX's 108-byte limit (CI's clone path is long)
+    here = os.getcwd()
+    os.chdir(p.parent)
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(p.name)
+        s.close()
+    finally:
+        os.chdir(here)
 
 
 def _device(p: Path) -> None:
