@@ -19,6 +19,7 @@ import pytest
 from pivot_hpc.cli.main import main
 from pivot_hpc.cli.plan import load_for_plan, make_plan, plan_json
 from pivot_hpc.config import ConfigError, load_config
+from pivot_hpc.errors import PivotError
 from pivot_hpc.gps import ModelSpec as GPSModelSpec
 from pivot_hpc.gps.layout import max_node_bytes
 from pivot_hpc.planning import MemoryPlanError, build_plan, check_memory
@@ -145,6 +146,31 @@ def test_gps_bytes_agree_with_the_gps_layout() -> None:
     for k in (1, 2, 4):
         layout = max_node_bytes(gps, {"policy"}, k)
         assert gps_bytes(p) / k == pytest.approx(layout, rel=0.01)
+
+
+def test_model_directories_outside_the_catalog_are_described(arch_dirs, tmp_path) -> None:
+    # config.json and the safetensors headers (models/description.py): nested text config,
+    # MoE, hybrid attention layers
+    cfg = load_config(
+        None,
+        [
+            f"models.policy_path={arch_dirs['qwen2-tied']}",
+            f"models.genrm_path={arch_dirs['qwen3.5-moe-vl']}",
+        ],
+    )
+    p = live_inputs(cfg)
+    policy, genrm = p.rollout.model, p.reward.model
+    assert (policy.hidden, policy.heads, policy.kv_heads, policy.tied) == (128, 8, 4, True)
+    assert (genrm.experts, genrm.experts_active, genrm.expert_ffn, genrm.ffn) == (4, 2, 32, 0)
+    assert genrm.kv_attention_layers == 1  # one full-attention layer, one linear
+    broken = tmp_path / "Broken-Model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    bad = load_config(None, [f"models.genrm_path={broken}"])
+    with pytest.raises(PivotError) as info:
+        live_inputs(bad)
+    msg = str(info.value)
+    assert "models.genrm_path" in msg and "no hidden_size" in msg and "\n" not in msg
 
 
 def test_catalog_names_from_model_directories() -> None:
