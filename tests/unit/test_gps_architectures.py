@@ -159,7 +159,7 @@ def test_tied_models_hold_no_lm_head(arch_dirs):
 
 
 def test_optimizer_state_models_keep_the_tensor_list(arch_dirs):
-    from pivot_hpc.runtime.elastic import optimizer_models
+    from pivot_hpc.runtime.training_world import optimizer_models
 
     policy = ModelSpec.from_dir(arch_dirs["qwen3-moe"], name="policy")
     for name, m in optimizer_models(policy, masters=True).items():
