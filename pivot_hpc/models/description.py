@@ -289,6 +289,21 @@ class _Config:
         return default
 
 
+def generation_limits(model_dir: str | Path) -> tuple[int | None, tuple[int, ...]]:
+    """(max_position_embeddings or None, eos ids) from config.json and
+    generation_config.json alone: what an engine sizes its sequences and stops by, for a
+    directory whose weights it loads itself (no safetensors headers are read)."""
+    d = Path(model_dir)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ModelDirError(f"{d}: no config.json; give a Hugging Face model directory")
+    c = _Config(cfg_path, read_json(cfg_path, MAX_CONFIG_BYTES))
+    gen_path = d / "generation_config.json"
+    gen = read_json(gen_path, MAX_CONFIG_BYTES) if gen_path.is_file() else {}
+    max_pos = c.integer("max_position_embeddings", "n_positions", default=None)
+    return max_pos, _eos(c, gen, gen_path)
+
+
 def _dtype(value: Any) -> str | None:
     return str(value).removeprefix("torch.") if value else None
 
