@@ -26,11 +26,12 @@ its lm_head). Data parallelism replicates.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -260,6 +261,30 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         return sum(t.rows * t.cols for t in self.tensors)
+
+    def as_stored(self, weights: Mapping[str, Any]) -> dict[str, Any]:
+        """A trainer's full export (torch tensors under HF names) as a Write of this
+        model takes it: each tensor in its storage dtype (a bf16 trainer publishes into
+        an fp32 policy). A trainer exports an `lm_head.weight` for tied embeddings too
+        (transformers' state dicts list the tied head); here it is no tensor of its own,
+        the embedding is (engines tie it on load), so it is left out. Any other name this
+        model lacks is a GPSError naming it."""
+        import torch
+
+        stored = {t.name: t for t in self.tensors}
+        tied_head = "lm_head.weight" if self.tie_word_embeddings and not self.has_lm_head else None
+        unknown = sorted(k for k in weights if k not in stored and k != tied_head)
+        if unknown:
+            raise GPSError(
+                f"model {self.name!r} ({self.source or 'catalog'}) has no tensors {unknown[:4]}"
+                f"{' ...' if len(unknown) > 4 else ''}: the trainer's architecture is not "
+                "the directory's"
+            )
+        return {
+            k: v.detach().to(getattr(torch, stored[k].dtype)).contiguous()
+            for k, v in weights.items()
+            if k in stored
+        }
 
     def check(self, par: Parallelism) -> None:
         """Raise GPSError naming the first tensor whose split `par.tp` cannot make, the
