@@ -290,12 +290,16 @@ def test_gpu_memory_gib_sets_the_capacity() -> None:
 @pytest.fixture
 def planted(tmp_path: Path) -> list[str]:
     """Overrides that make configs/groups/group1 load here: model directories named after
-    the catalog models, and dataset files."""
+    the catalog models (tiny stand-ins of their architectures: the launch checks each for
+    its roles), and dataset files."""
+    from pivot_hpc.recipes.tiny_arch_dirs import build_arch_dir
+
     out = []
-    for key, name in (("policy", "Qwen2.5-1.5B"), ("genrm", "GLM-Z1-9B")):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text("{}")
+    for key, name, arch in (
+        ("policy", "Qwen2.5-1.5B", "qwen2-tied"),
+        ("genrm", "GLM-Z1-9B", "glm4"),
+    ):
+        d = build_arch_dir(arch, tmp_path / name)
         out.append(f"models.{key}_path={d}")
     for key in ("train", "validation"):
         f = tmp_path / f"{key}.parquet"
