@@ -232,6 +232,10 @@ def plan_table(plan, config: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg, data = load_for_plan(args.config, list(args.overrides or []))
+    from pivot_hpc.models.role_check import check_model_dirs
+
+    # a plan is made anywhere: the directories on this machine are checked for their roles
+    check_model_dirs(cfg, existing_only=True)
     plan = make_plan(cfg, data, args.source)
     if args.json:
         print(json.dumps(plan_json(plan, args.config), indent=1))

@@ -1,33 +1,59 @@
-"""Model catalog: the canonical tensors of a Qwen2/Llama-style model and how each is cut.
+"""Model catalog: a model's canonical tensors and how each is cut.
 
 Canonical = HuggingFace names, shapes and row-major layouts (what `transformers` defines
-and SGLang loads). Every tensor is at most 2-D. A tensor's tensor-parallel rule says along
-which dimension it is split and in which *units*: q/k/v rows and o_proj columns are split
-by whole attention heads, gate/up rows and down_proj columns by intermediate channels, the
-vocabulary by rows (ceil-divided, so a vocabulary that tp does not divide still works, the
-last rank holding fewer rows — the padded layouts of Megatron/SGLang minus the padding).
-K/V heads follow Megatron/SGLang: with tp > num_kv_heads each KV head is replicated on
-tp/num_kv_heads consecutive ranks. Pipeline parallelism gives each stage a contiguous
-layer range; the embedding lives on the first stage, the final norm and lm_head on the
-last (with tied embeddings the last stage holds `embed_tokens` too, as its lm_head).
-Data parallelism replicates.
+and SGLang loads). A model from a directory (`ModelSpec.from_dir`) holds exactly the
+tensors of its safetensors, under their names (models/description.py: headers only, no
+weights); the catalog models (`PAPER_MODELS`, sizes for planning and benchmarks) and
+`from_hf_config(dict)` build the dense Qwen2/Llama list. Either way each tensor's
+tensor-parallel rule comes from its name (models/tp_rules.py): q/k/v rows and o_proj
+columns are split by whole attention heads, gate/up rows and down_proj columns by
+channels, fused qkv_proj / gate_up_proj part by part (a rank's shard is its parts
+stacked), the vocabulary by rows (ceil-divided, so a vocabulary that tp does not divide
+still works, the last rank holding fewer rows — the padded layouts of Megatron/SGLang
+minus the padding), and a tensor no rule knows is held and read whole. K/V heads follow
+Megatron/SGLang: with tp > num_kv_heads each KV head is replicated on tp/num_kv_heads
+consecutive ranks.
+
+GPS moves 2-D boxes: a tensor of any rank is seen as `rows x cols` (rows = the product of
+the dimensions before its split dimension, or its first dimension), so a tp shard is one
+box (row range, or column range), or one box per fused part. Pipeline parallelism gives
+each stage a contiguous layer range; the embedding (and any tensor outside the decoder,
+e.g. a vision tower) lives on the first stage, the final norm and lm_head on the last
+(with tied embeddings and no lm_head tensor the last stage holds `embed_tokens` too, as
+its lm_head). Data parallelism replicates.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
+from math import prod
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+from pivot_hpc.models.tp_rules import TPKind, TPRule, place
+
+if TYPE_CHECKING:
+    from pivot_hpc.models.description import ModelDescription
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # numpy has no bfloat16: its bit patterns travel and are returned as uint16.
 NUMPY_DTYPE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 
-TPKind = Literal["column", "row", "vocab", "replicated"]
+__all__ = [
+    "DTYPE_BYTES",
+    "PAPER_MODELS",
+    "GPSError",
+    "ModelSpec",
+    "Parallelism",
+    "TPKind",
+    "TensorSpec",
+]
+Part = Literal["embed", "layer", "norm", "head", "other"]
 
 
 class GPSError(ValueError):
@@ -68,24 +94,41 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One canonical tensor and its partition rules."""
+    """One canonical tensor, its partition rule and where pipeline parallelism puts it."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
-    tp_kind: TPKind
-    split_dim: int | None  # dimension cut by tensor parallelism; None = replicated
-    units: int  # number of indivisible units along split_dim (heads, channels, rows)
-    layer: int | None  # decoder layer index; None for embedding / final norm / lm_head
-    part: Literal["embed", "layer", "norm", "head"]
+    rule: TPRule
+    layer: int | None  # decoder layer index; None outside the decoder's layers
+    part: Part  # embed (first stage), layer, norm / head (last stage), other (first stage)
+
+    @property
+    def tp_kind(self) -> TPKind:
+        return self.rule.kind
+
+    @property
+    def split_dim(self) -> int | None:
+        """Dimension cut by tensor parallelism; None = whole on every rank."""
+        return self.rule.dim
+
+    @property
+    def units(self) -> int:
+        return self.rule.units
 
     @property
     def rows(self) -> int:
-        return self.shape[0]
+        """Rows of the 2-D form GPS moves (see the module docstring)."""
+        if not self.shape:
+            return 1
+        d = self.rule.dim
+        return self.shape[0] if not d else prod(self.shape[:d])
 
     @property
     def cols(self) -> int:
-        return self.shape[1] if len(self.shape) > 1 else 1
+        if not self.shape:
+            return 1
+        return prod(self.shape[self.rule.dim or 1 :])
 
     @property
     def itemsize(self) -> int:
@@ -98,7 +141,12 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture numbers of a Qwen2/Llama-style decoder (HF config.json names)."""
+    """A model GPS holds: its architecture numbers (HF config.json names) and its tensors.
+
+    `tensor_list` None: the dense Qwen2/Llama list these numbers give (catalog models);
+    else a directory's own tensors (`from_dir`). `dataclasses.replace(spec, dtype=...)`
+    gives the same tensors in another dtype (the optimizer state elastic training keeps).
+    """
 
     hidden_size: int
     num_hidden_layers: int
@@ -111,6 +159,9 @@ class ModelSpec:
     attention_bias: bool = True  # Qwen2: q/k/v have biases; Llama: none
     dtype: str = "bfloat16"
     name: str = "model"
+    tensor_list: tuple[TensorSpec, ...] | None = field(default=None, repr=False)
+    described_dtype: str | None = None  # the dtype tensor_list was described in
+    source: str | None = None  # the directory it was described from
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -129,10 +180,11 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict | str | Path, name: str | None = None) -> ModelSpec:
-        """Build from a HuggingFace config.json (a dict, the file, or its directory)."""
+        """A dense Qwen2/Llama model from config.json values (a dict); given a directory
+        (or its config.json), that directory's own tensors (`from_dir`)."""
         if not isinstance(config, dict):
             p = Path(config)
-            config = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+            return cls.from_dir(p if p.is_dir() else p.parent, name=name)
         heads = config["num_attention_heads"]
         dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         return cls(
@@ -151,17 +203,56 @@ class ModelSpec:
             name=name or config.get("_name_or_path") or config.get("model_type", "model"),
         )
 
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, name: str | None = None) -> ModelSpec:
+        """The model of a Hugging Face directory: its safetensors' tensors, names, shapes
+        and dtypes, read from the headers (models/description.py, cached)."""
+        from pivot_hpc.models.description import description_of
+
+        return cls.from_description(description_of(model_dir), name=name)
+
+    @classmethod
+    def from_description(cls, desc: ModelDescription, name: str | None = None) -> ModelSpec:
+        tensors = tuple(
+            TensorSpec(t.name, t.shape, t.dtype, t.rule, t.layer, t.place) for t in desc.tensors
+        )
+        return cls(
+            hidden_size=desc.hidden_size,
+            num_hidden_layers=desc.num_hidden_layers,
+            num_attention_heads=desc.num_attention_heads,
+            num_key_value_heads=desc.num_key_value_heads,
+            intermediate_size=desc.intermediate_size or 0,
+            vocab_size=desc.vocab_size,
+            tie_word_embeddings=desc.tie_word_embeddings,
+            head_dim=desc.head_dim,
+            attention_bias=any(t.name.endswith("q_proj.bias") for t in tensors),
+            dtype=desc.weights_dtype,
+            name=name or desc.path.name,
+            tensor_list=tensors,
+            described_dtype=desc.weights_dtype,
+            source=str(desc.path),
+        )
+
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @cached_property
     def tensors(self) -> tuple[TensorSpec, ...]:
-        return tuple(_build_tensors(self))
+        if self.tensor_list is None:
+            return tuple(_build_tensors(self))
+        if self.dtype == self.described_dtype:
+            return self.tensor_list
+        # another dtype for the same tensors (replace(spec, dtype=...)): all of them in it
+        return tuple(dataclasses.replace(t, dtype=self.dtype) for t in self.tensor_list)
 
     @cached_property
     def index(self) -> dict[str, int]:
         return {t.name: i for i, t in enumerate(self.tensors)}
+
+    @property
+    def has_lm_head(self) -> bool:
+        return any(t.part == "head" for t in self.tensors)
 
     @property
     def nbytes(self) -> int:
@@ -171,29 +262,59 @@ class ModelSpec:
     def num_params(self) -> int:
         return sum(t.rows * t.cols for t in self.tensors)
 
+    def as_stored(self, weights: Mapping[str, Any]) -> dict[str, Any]:
+        """A trainer's full export (torch tensors under HF names) as a Write of this
+        model takes it: each tensor in its storage dtype (a bf16 trainer publishes into
+        an fp32 policy). A trainer exports an `lm_head.weight` for tied embeddings too
+        (transformers' state dicts list the tied head); here it is no tensor of its own,
+        the embedding is (engines tie it on load), so it is left out. Any other name this
+        model lacks is a GPSError naming it."""
+        import torch
+
+        stored = {t.name: t for t in self.tensors}
+        tied_head = "lm_head.weight" if self.tie_word_embeddings and not self.has_lm_head else None
+        unknown = sorted(k for k in weights if k not in stored and k != tied_head)
+        if unknown:
+            raise GPSError(
+                f"model {self.name!r} ({self.source or 'catalog'}) has no tensors {unknown[:4]}"
+                f"{' ...' if len(unknown) > 4 else ''}: the trainer's architecture is not "
+                "the directory's"
+            )
+        return {
+            k: v.detach().to(getattr(torch, stored[k].dtype)).contiguous()
+            for k, v in weights.items()
+            if k in stored
+        }
+
     def check(self, par: Parallelism) -> None:
-        """Raise GPSError naming the number that `par` does not divide."""
-        h, kv, n = self.num_attention_heads, self.num_key_value_heads, self.name
-        if h % par.tp:
-            raise GPSError(
-                f"model {n!r}: num_attention_heads={h} is not divisible by tp={par.tp}; "
-                f"choose tp among {_divisors(h)}"
-            )
-        if kv % par.tp and par.tp % kv:
-            raise GPSError(
-                f"model {n!r}: tp={par.tp} and num_key_value_heads={kv} must divide one "
-                "another (KV heads are split, or replicated when tp > num_key_value_heads)"
-            )
-        if self.intermediate_size % par.tp:
-            raise GPSError(
-                f"model {n!r}: intermediate_size={self.intermediate_size} is not divisible "
-                f"by tp={par.tp}; choose tp among {_divisors(self.intermediate_size)[:12]}"
-            )
+        """Raise GPSError naming the first tensor whose split `par.tp` cannot make, the
+        number it does not divide and the tp values this model takes."""
+        n = self.name
+        for t in self._split_kinds():
+            why = t.rule.problem(par.tp)
+            if why is not None:
+                raise GPSError(
+                    f"model {n!r}: {why} (tensor {t.name!r}); choose tp among {self.valid_tp()}"
+                )
         if par.pp > self.num_hidden_layers:
             raise GPSError(
                 f"model {n!r}: pp={par.pp} exceeds num_hidden_layers={self.num_hidden_layers}; "
                 "each pipeline stage needs at least one layer"
             )
+
+    def valid_tp(self, limit: int = 128) -> list[int]:
+        """The tensor-parallel sizes up to `limit` that every split tensor allows."""
+        kinds = self._split_kinds()
+        return [tp for tp in range(1, limit + 1) if all(t.rule.problem(tp) is None for t in kinds)]
+
+    def _split_kinds(self) -> list[TensorSpec]:
+        """One tensor per distinct rule, in tensor order (a 128-expert model has thousands
+        of tensors and a handful of rules)."""
+        seen: dict[TPRule, TensorSpec] = {}
+        for t in self.tensors:
+            if t.rule.dim is not None:
+                seen.setdefault(t.rule, t)
+        return list(seen.values())
 
     def stage_layers(self, pp: int, stage: int) -> range:
         """Contiguous layer range of one pipeline stage (earlier stages take the extras)."""
@@ -208,71 +329,85 @@ class ModelSpec:
             assert t.layer is not None
             return (next(s for s in range(pp) if t.layer in self.stage_layers(pp, s)),)
         if t.part == "embed":
-            return (0, pp - 1) if self.tie_word_embeddings and pp > 1 else (0,)
+            tied = self.tie_word_embeddings and not self.has_lm_head
+            return (0, pp - 1) if tied and pp > 1 else (0,)
+        if t.part == "other":
+            return (0,)
         return (pp - 1,)
 
     def stage_tensors(self, pp: int, stage: int) -> list[int]:
         """Indices (into `tensors`) held by one pipeline stage, in catalog order."""
         return [i for i, t in enumerate(self.tensors) if stage in self.stages_of(t, pp)]
 
-    def tp_range(self, t: TensorSpec, tp: int, rank: int) -> tuple[int, int]:
-        """[lo, hi) along t.split_dim held by tensor-parallel rank `rank` (full for replicated)."""
+    def tp_ranges(self, t: TensorSpec, tp: int, rank: int) -> list[tuple[int, int]]:
+        """[lo, hi) along t.split_dim of each part tp rank `rank` holds (one range unless
+        the tensor is fused; the full extent for a whole tensor)."""
         if t.split_dim is None or tp == 1:
-            return 0, t.shape[t.split_dim or 0]
-        extent = t.shape[t.split_dim]
-        if t.tp_kind == "vocab":
-            per = -(-extent // tp)
-            return min(extent, rank * per), min(extent, (rank + 1) * per)
-        unit = extent // t.units
-        if t.units % tp == 0:
-            per = t.units // tp
-            return rank * per * unit, (rank + 1) * per * unit
-        if tp % t.units == 0:  # KV heads replicated over tp // units consecutive ranks
-            u = rank // (tp // t.units)
-            return u * unit, (u + 1) * unit
-        raise GPSError(f"tensor {t.name!r}: {t.units} units cannot be split over tp={tp}")
+            return [(0, t.shape[t.split_dim or 0] if t.shape else 1)]
+        try:
+            return t.rule.ranges(t.shape[t.split_dim], tp, rank)
+        except ValueError as exc:
+            raise GPSError(f"tensor {t.name!r}: {exc}") from None
+
+    def tp_range(self, t: TensorSpec, tp: int, rank: int) -> tuple[int, int]:
+        """The one range of an unfused tensor (`tp_ranges`)."""
+        ranges = self.tp_ranges(t, tp, rank)
+        if len(ranges) != 1:
+            raise GPSError(f"tensor {t.name!r} is fused ({len(ranges)} parts): use tp_ranges")
+        return ranges[0]
+
+    def shard_boxes(self, t: TensorSpec, tp: int, rank: int) -> list[tuple[int, int, int, int]]:
+        """The target slices (r0, r1, c0, c1) in 2-D coordinates of a tensor on one TP
+        rank; the shard is these boxes back to back (one box unless the tensor is fused,
+        whose parts are split along dim 0)."""
+        d = t.split_dim
+        if d is None or tp == 1:
+            return [(0, t.rows, 0, t.cols)]
+        ranges = self.tp_ranges(t, tp, rank)
+        if d == 0:
+            return [(lo, hi, 0, t.cols) for lo, hi in ranges]
+        inner = prod(t.shape[d + 1 :])
+        return [(0, t.rows, lo * inner, hi * inner) for lo, hi in ranges]
 
     def shard_box(self, t: TensorSpec, tp: int, rank: int) -> tuple[int, int, int, int]:
-        """The target slice (r0, r1, c0, c1) of a tensor on one TP rank, 2-D coordinates."""
-        lo, hi = self.tp_range(t, tp, rank)
-        if t.split_dim == 1:
-            return 0, t.rows, lo, hi
-        if t.split_dim == 0:
-            return lo, hi, 0, t.cols
-        return 0, t.rows, 0, t.cols
+        """The one target slice of an unfused tensor on one TP rank (`shard_boxes`)."""
+        boxes = self.shard_boxes(t, tp, rank)
+        if len(boxes) != 1:
+            raise GPSError(f"tensor {t.name!r} is fused ({len(boxes)} boxes): use shard_boxes")
+        return boxes[0]
 
     def shard_shape(self, t: TensorSpec, tp: int, rank: int) -> tuple[int, ...]:
-        r0, r1, c0, c1 = self.shard_box(t, tp, rank)
-        return (r1 - r0, c1 - c0) if len(t.shape) == 2 else (r1 - r0,)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+        d = t.split_dim
+        if d is None or tp == 1:
+            return t.shape
+        extent = sum(hi - lo for lo, hi in self.tp_ranges(t, tp, rank))
+        return (*t.shape[:d], extent, *t.shape[d + 1 :])
 
 
 def _build_tensors(m: ModelSpec) -> list[TensorSpec]:
+    """The dense Qwen2/Llama list of a catalog model, each tensor with its name's rule."""
     h, d, nh, nkv = m.hidden_size, m.hd, m.num_attention_heads, m.num_key_value_heads
-    inter, dt = m.intermediate_size, m.dtype
-    out = [TensorSpec("model.embed_tokens.weight", (m.vocab_size, h), dt, "vocab", 0, m.vocab_size, None, "embed")]  # fmt: skip
+    inter = m.intermediate_size
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (m.vocab_size, h))]
     for i in range(m.num_hidden_layers):
         p = f"model.layers.{i}."
-
-        def ts(name, shape, kind, dim, units, i=i, p=p):
-            return TensorSpec(p + name, shape, dt, kind, dim, units, i, "layer")
-
-        out.append(ts("input_layernorm.weight", (h,), "replicated", None, 1))
+        shapes.append((p + "input_layernorm.weight", (h,)))
         for proj, heads in (("q", nh), ("k", nkv), ("v", nkv)):
-            out.append(ts(f"self_attn.{proj}_proj.weight", (heads * d, h), "column", 0, heads))
+            shapes.append((p + f"self_attn.{proj}_proj.weight", (heads * d, h)))
             if m.attention_bias:
-                out.append(ts(f"self_attn.{proj}_proj.bias", (heads * d,), "column", 0, heads))
-        out.append(ts("self_attn.o_proj.weight", (h, nh * d), "row", 1, nh))
-        out.append(ts("post_attention_layernorm.weight", (h,), "replicated", None, 1))
-        out.append(ts("mlp.gate_proj.weight", (inter, h), "column", 0, inter))
-        out.append(ts("mlp.up_proj.weight", (inter, h), "column", 0, inter))
-        out.append(ts("mlp.down_proj.weight", (h, inter), "row", 1, inter))
-    out.append(TensorSpec("model.norm.weight", (h,), dt, "replicated", None, 1, None, "norm"))
+                shapes.append((p + f"self_attn.{proj}_proj.bias", (heads * d,)))
+        shapes.append((p + "self_attn.o_proj.weight", (h, nh * d)))
+        shapes.append((p + "post_attention_layernorm.weight", (h,)))
+        shapes.append((p + "mlp.gate_proj.weight", (inter, h)))
+        shapes.append((p + "mlp.up_proj.weight", (inter, h)))
+        shapes.append((p + "mlp.down_proj.weight", (h, inter)))
+    shapes.append(("model.norm.weight", (h,)))
     if not m.tie_word_embeddings:
-        out.append(TensorSpec("lm_head.weight", (m.vocab_size, h), dt, "vocab", 0, m.vocab_size, None, "head"))  # fmt: skip
+        shapes.append(("lm_head.weight", (m.vocab_size, h)))
+    out = []
+    for name, shape in shapes:
+        pl = place(name, shape, "model.", heads=nh, kv_heads=nkv, layers=m.num_hidden_layers)
+        out.append(TensorSpec(name, shape, m.dtype, pl.rule, pl.layer, pl.place))
     return out
 
 

@@ -43,6 +43,21 @@ class Shards:
 
 
 @dataclass
+class Boxes:
+    """Target boxes of one rank's shards: the catalog index of each, its (r0, r1, c0, c1)
+    and its byte offset inside its tensor's shard (non-zero for a fused tensor's later
+    parts)."""
+
+    tensor: np.ndarray
+    boxes: np.ndarray
+    base: np.ndarray
+
+    def refine(self, cols_bytes: np.ndarray, itemsize: np.ndarray, bounds: np.ndarray) -> Pieces:
+        t = self.tensor
+        return refine(t, cols_bytes[t], itemsize[t], bounds[t], self.boxes, self.base)
+
+
+@dataclass
 class Plan:
     """One cached Read or Write: per-rank shards and the point-to-point ops of each actor.
 
@@ -101,26 +116,37 @@ def check_request(model: str, spec: ModelSpec, ranks, par: Parallelism, world_si
     return g
 
 
-def _shards(spec: ModelSpec, par: Parallelism, pp: int, tp: int) -> tuple[Shards, np.ndarray]:
+def _shards(spec: ModelSpec, par: Parallelism, pp: int, tp: int) -> tuple[Shards, Boxes]:
     idx = spec.stage_tensors(par.pp, pp)
     ts = [spec.tensors[i] for i in idx]
-    boxes = np.array([spec.shard_box(t, par.tp, tp) for t in ts], dtype=np.int64).reshape(-1, 4)
-    shapes = [spec.shard_shape(t, par.tp, tp) for t in ts]
-    nbytes = (boxes[:, 1] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 2])
-    nbytes *= np.array([t.itemsize for t in ts], dtype=np.int64)
-    aligned = -(-nbytes // ALIGN) * ALIGN
+    box_tensor, boxes, base, nbytes = [], [], [], []
+    for i, t in zip(idx, ts, strict=True):
+        at = 0  # a fused tensor's shard is its boxes back to back
+        for r0, r1, c0, c1 in spec.shard_boxes(t, par.tp, tp):
+            box_tensor.append(i)
+            boxes.append((r0, r1, c0, c1))
+            base.append(at)
+            at += (r1 - r0) * (c1 - c0) * t.itemsize
+        nbytes.append(at)
+    nb = np.array(nbytes, dtype=np.int64)
+    aligned = -(-nb // ALIGN) * ALIGN
     offsets = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
     sh = Shards(
         tensors=np.array(idx, dtype=np.int64),
         names=[t.name for t in ts],
-        shapes=shapes,
+        shapes=[spec.shard_shape(t, par.tp, tp) for t in ts],
         dtypes=[NUMPY_DTYPE[t.dtype] for t in ts],
         offsets=offsets,
-        nbytes=nbytes,
+        nbytes=nb,
         arena_bytes=int(aligned.sum()),
         pos={t: p for p, t in enumerate(idx)},
     )
-    return sh, boxes
+    bx = Boxes(
+        np.array(box_tensor, dtype=np.int64),
+        np.array(boxes, dtype=np.int64).reshape(-1, 4),
+        np.array(base, dtype=np.int64),
+    )
+    return sh, bx
 
 
 def _tensor_arrays(spec: ModelSpec):
@@ -147,8 +173,7 @@ def build_read_plan(
         _, pp, tp = par.coords(i)
         if (pp, tp) not in combo:
             sh, boxes = _shards(spec, par, pp, tp)
-            t = sh.tensors
-            combo[pp, tp] = sh, refine(t, cols_bytes[t], itemsize[t], bounds[t], boxes)
+            combo[pp, tp] = sh, boxes.refine(cols_bytes, itemsize, bounds)
         sh, pieces = combo[pp, tp]
         shards.append(sh)
         parts.append(pieces)
@@ -200,21 +225,28 @@ def build_write_plan(
         if (pp, tp) not in cache:
             cache[pp, tp] = _shards(spec, par, pp, tp)[0]
         shards.append(cache[pp, tp])
-    # one target box per distinct shard content; its owners are the candidate senders
-    box_tensor, boxes, cand, ptr = [], [], [], [0]
+    # one target box per distinct shard content (and place in the shard: a fused
+    # tensor's part sits after the earlier parts); its owners are the candidate senders
+    box_tensor, boxes, base, cand, ptr = [], [], [], [], [0]
     for ti, t in enumerate(spec.tensors):
-        owners: dict[tuple[int, int, int, int], list[int]] = {}
+        owners: dict[tuple[tuple[int, int, int, int], int], list[int]] = {}
         for s in spec.stages_of(t, par.pp):
             for r in range(par.tp):
-                box = spec.shard_box(t, par.tp, r)
-                owners.setdefault(box, []).extend(par.index(d, s, r) for d in range(par.dp))
-        for box, who in owners.items():
+                at = 0
+                for box in spec.shard_boxes(t, par.tp, r):
+                    who = owners.setdefault((box, at), [])
+                    who.extend(par.index(d, s, r) for d in range(par.dp))
+                    at += (box[1] - box[0]) * (box[3] - box[2]) * t.itemsize
+        for (box, at), who in owners.items():
             box_tensor.append(ti)
             boxes.append(box)
+            base.append(at)
             cand.extend(sorted(who))
             ptr.append(len(cand))
     bt = np.array(box_tensor, dtype=np.int64)
-    pieces = refine(bt, cols_bytes[bt], itemsize[bt], bounds[bt], np.array(boxes, dtype=np.int64))
+    pieces = Boxes(bt, np.array(boxes, dtype=np.int64), np.array(base, dtype=np.int64)).refine(
+        cols_bytes, itemsize, bounds
+    )
     # every piece goes to every holder of its member block
     holders = np.array([layout.holders(m) for m in range(layout.k)], dtype=np.int64)
     reps = layout.num_groups

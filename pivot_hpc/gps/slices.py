@@ -2,7 +2,8 @@
 
 Both sides cut a tensor into axis-aligned boxes of its 2-D canonical form: the host side
 into member row blocks [b_m, b_m+1) x all columns (layout.py), the target side into its
-TP box (r0, r1, c0, c1) (column/vocab rules cut rows, row rules cut columns). Their
+TP box (r0, r1, c0, c1) (column/vocab rules cut rows, row rules cut columns; a fused
+tensor's shard is one box per part, back to back, each at its `base` in the shard). Their
 intersections are the atomic slices: each lies inside exactly one host block and one
 target shard, so a transfer always moves a whole atomic slice and nothing is split or
 concatenated in flight.
@@ -64,12 +65,15 @@ def refine(
     itemsize: np.ndarray,
     bounds: np.ndarray,
     boxes: np.ndarray,
+    base: np.ndarray | None = None,
 ) -> Pieces:
     """Atomic slices of a set of target boxes against the host member blocks.
 
     tensor[i]: catalog index of box i; cols_bytes[i]: bytes of one full row of that
     tensor; itemsize[i]: element bytes; bounds[i]: its k+1 member row bounds; boxes[i]:
-    its target box (r0, r1, c0, c1) in elements.
+    its target box (r0, r1, c0, c1) in elements; base[i]: its byte offset inside the
+    tensor's target shard (a fused tensor's shard is several boxes back to back; 0 when
+    omitted).
     """
     r0, r1, c0, c1 = (boxes[:, j][:, None] for j in range(4))
     lo, hi = bounds[:, :-1], bounds[:, 1:]  # [n, k]
@@ -83,6 +87,8 @@ def refine(
     nrows = e - a
     host_off = (a - lo) * full + bc0 * es
     shard_off = (a - br0) * row_bytes
+    if base is not None:
+        shard_off = shard_off + base[box_i]
     stride = full.copy()
     whole = row_bytes == full  # full rows: one contiguous run on both sides
     row_bytes = np.where(whole, nrows * row_bytes, row_bytes)

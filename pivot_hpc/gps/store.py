@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from pivot_hpc.errors import PivotError
 from pivot_hpc.gps.catalog import GPSError, ModelSpec, Parallelism
 from pivot_hpc.gps.config import GPSConfig
 from pivot_hpc.gps.layout import GIB, HostLayout, choose_group_size
@@ -215,7 +216,7 @@ class GlobalParameterStorage:
         err = ""
         try:
             self._load_local(model, spec, tensors, version)
-        except GPSError as exc:
+        except (GPSError, PivotError) as exc:  # PivotError: a bad model directory
             err = str(exc)
         errors = self.world.allgather(err)  # a bad tensor fails every rank, none hangs
         if any(errors):

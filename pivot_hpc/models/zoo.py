@@ -61,10 +61,9 @@ def _quiet_transformers() -> None:
 
 
 def load_model(path: str | Path):
-    """(Qwen2ForCausalLM, tokenizer) from a model directory."""
-    from transformers import Qwen2ForCausalLM
+    """(model, tokenizer) from a model directory: the `transformers` class its config
+    names, fp32, weights by checkpoint name (models/hf_load.py)."""
+    from pivot_hpc.models.hf_load import load_hf_model
 
-    _quiet_transformers()
-    model = Qwen2ForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()
+    model, _ = load_hf_model(path, dtype=torch.float32)
     return model, load_tokenizer(path)

@@ -4,8 +4,9 @@ Two sources give the same record:
 
 - `live_inputs(cfg)`: a config `pivot-hpc run` would launch. Models come from
   `models.policy_path` / `models.genrm_path` (matched by directory name against the
-  simulator's catalog, sim/catalog.py, else read from the directory's config.json), or
-  from the tiny architectures of `models.policy.arch` / `models.genrm.arch`. The GPU is
+  simulator's catalog, sim/catalog.py, else from the directory's description,
+  models/description.py), or from the tiny architectures of `models.policy.arch` /
+  `models.genrm.arch`. The GPU is
   `cluster.gpu` (catalog) or `cluster.gpu_memory_gib`; neither = capacity unknown.
 - `sim_inputs(cfg)`: the simulator's twin of the same config (`--source sim`): models,
   GPU, training tp and recompute as the simulator reads them (job/sim_settings.py); training as
@@ -16,7 +17,6 @@ Two sources give the same record:
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from pathlib import Path
 from pivot_hpc.errors import PivotError
 from pivot_hpc.job.config import Config
 from pivot_hpc.models.config import ModelConfig
+from pivot_hpc.models.description import ModelDescription, ModelDirError, description_of
 from pivot_hpc.sim.catalog import HARDWARE, MODELS, ModelSpec, catalog_key
 
 GIB = 1 << 30
@@ -114,27 +115,26 @@ def spec_from_arch(name: str, arch: ModelConfig) -> ModelSpec:
     )
 
 
-def spec_from_hf_config(name: str, c: dict) -> tuple[ModelSpec, int | None]:
-    """A model outside the catalog from its config.json (dense or Qwen-MoE fields)."""
-    heads = int(c["num_attention_heads"])
-    hidden = int(c["hidden_size"])
-    experts = int(c.get("num_experts") or c.get("n_routed_experts") or 0)
+def spec_from_description(name: str, d: ModelDescription) -> tuple[ModelSpec, int | None]:
+    """A model outside the catalog from its directory's description (config.json and
+    safetensors headers; dense, MoE and hybrid-attention fields)."""
+    experts = d.num_experts
     spec = ModelSpec(
         name,
-        int(c["num_hidden_layers"]),
-        hidden,
-        heads,
-        int(c.get("num_key_value_heads") or heads),
-        int(c.get("head_dim") or hidden // heads),
-        0 if experts else int(c["intermediate_size"]),
-        int(c["vocab_size"]),
-        tied=bool(c.get("tie_word_embeddings", False)),
+        d.num_hidden_layers,
+        d.hidden_size,
+        d.num_attention_heads,
+        d.num_key_value_heads,
+        d.head_dim,
+        0 if experts else int(d.intermediate_size or 0),
+        d.vocab_size,
+        tied=d.tie_word_embeddings,
         experts=experts,
-        experts_active=int(c.get("num_experts_per_tok") or 0),
-        expert_ffn=int(c.get("moe_intermediate_size") or 0),
+        experts_active=d.num_experts_per_tok,
+        expert_ffn=d.moe_intermediate_size or 0,
+        kv_layers=d.kv_layers if d.layer_types else None,
     )
-    max_pos = c.get("max_position_embeddings")
-    return spec, int(max_pos) if max_pos else None
+    return spec, d.max_position_embeddings
 
 
 def resolve_model(
@@ -148,15 +148,14 @@ def resolve_model(
     found = catalog if catalog in MODELS else catalog_key(Path(path).name)
     if found is not None:
         return MODELS[found], None
-    config = Path(path) / "config.json"
     try:
-        return spec_from_hf_config(Path(path).name, json.loads(config.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return spec_from_description(Path(path).name, description_of(path))
+    except ModelDirError as exc:
         raise PlanInputError(
             f"config key '{key}' = {str(path)!r}: the memory plan knows no model "
-            f"{Path(path).name!r} (catalog: {', '.join(sorted(MODELS))}) and cannot read its "
-            f"config.json ({type(exc).__name__}); name the directory after a catalog model "
-            "or give a Hugging Face config.json"
+            f"{Path(path).name!r} (catalog: {', '.join(sorted(MODELS))}) and cannot describe "
+            f"its directory ({exc}); name the directory after a catalog model or give a "
+            "Hugging Face model directory"
         ) from None
 
 

@@ -27,18 +27,11 @@ from pivot_hpc.runtime.world import LayoutError, check_launch, layout
 
 
 def _state_dict_loader(path: Path):
-    """name -> tensor of a saved HF model (read once, only on host ranks that ask)."""
-    cache: dict = {}
+    """name -> tensor of a saved HF model, memory-mapped tensor by tensor (only host
+    ranks call it; models/weights.py)."""
+    from pivot_hpc.models.weights import TensorReader
 
-    def get(name: str):
-        if not cache:
-            from safetensors.torch import load_file
-
-            for f in sorted(path.glob("*.safetensors")):
-                cache.update(load_file(str(f)))
-        return cache[name]
-
-    return get
+    return TensorReader(path)
 
 
 def run_in_world(cfg: Config, run_dir: Path) -> int:
@@ -83,13 +76,13 @@ def run_in_world(cfg: Config, run_dir: Path) -> int:
         from pivot_hpc.gps import GlobalParameterStorage, ModelSpec
         from pivot_hpc.runtime.training_world import run_optimizer_models
 
-        policy = ModelSpec.from_hf_config(dirs[0], name="policy")
+        policy = ModelSpec.from_dir(dirs[0], name="policy")
         gps = GlobalParameterStorage(
             comm,
             cfg.gps,
             models={
                 "policy": policy,
-                "genrm": ModelSpec.from_hf_config(dirs[1], name="genrm"),
+                "genrm": ModelSpec.from_dir(dirs[1], name="genrm"),
                 # elastic training: the optimizer state joining replicas read
                 **run_optimizer_models(cfg, policy),
             },

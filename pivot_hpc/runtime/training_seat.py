@@ -25,8 +25,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-import torch
-
 from pivot_hpc.engines.base import SupervisedTrainer
 from pivot_hpc.runtime import protocol as msg
 from pivot_hpc.runtime.training_world import (
@@ -209,10 +207,8 @@ class TrainingSeat:
         if self.rank in self.training_ranks[: self.world.tp]:
             weights = trainer.export_weights()
         if self.rank == self.training_ranks[0]:  # one full copy suffices
-            # in the storage's dtype (a bf16 trainer publishes into an fp32 policy)
-            spec = self.gps.models["policy"]
-            dtypes = {t.name: getattr(torch, t.dtype) for t in spec.tensors}
-            shards = {k: v.detach().to(dtypes[k]).contiguous() for k, v in weights.items()}
+            # in the storage's dtype, a tied lm_head left to the embedding (catalog.py)
+            shards = self.gps.models["policy"].as_stored(weights)
             version = self.gps.write("policy", self.training_ranks[:1], TP1, shards)
         if self.child:  # what restarted trainer children read back
             self._publish_optimizer()

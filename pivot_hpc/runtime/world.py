@@ -75,10 +75,13 @@ def check_launch(cfg: Config, size: int) -> None:
 def check_before_launch(cfg: Config) -> None:
     """Everything a launcher refuses before it starts a world, in one place (`pivot-hpc
     run`, `pivot-hpc submit`, slurm/pivot.sbatch): the memory plan when the config names
-    its GPU, what only a live run cannot do, the experiment trackers asked for, and tools."""
+    its GPU, what only a live run cannot do, the experiment trackers asked for, tools, and
+    each configured model directory for its roles (models/role_check.py)."""
+    from pivot_hpc.models.role_check import check_model_dirs
     from pivot_hpc.planning import check_memory
     from pivot_hpc.tracking import check_available
 
+    check_model_dirs(cfg)  # first: the memory plan reads these directories too
     check_memory(cfg)
     check_live_config(cfg)
     check_available(cfg.tracking)

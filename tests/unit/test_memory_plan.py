@@ -19,9 +19,10 @@ import pytest
 from pivot_hpc.cli.main import main
 from pivot_hpc.cli.plan import load_for_plan, make_plan, plan_json
 from pivot_hpc.config import ConfigError
+from pivot_hpc.errors import PivotError
 from pivot_hpc.gps import ModelSpec as GPSModelSpec
 from pivot_hpc.gps.layout import max_node_bytes
-from pivot_hpc.job.config import load_config
+from pivot_hpc.job.config import TINY_DEFAULTS, load_config
 from pivot_hpc.planning import MemoryPlanError, build_plan, check_memory
 from pivot_hpc.planning.host import gps_bytes
 from pivot_hpc.planning.inputs import GIB, TrainInputs, catalog_key, live_inputs, sim_inputs
@@ -148,6 +149,36 @@ def test_gps_bytes_agree_with_the_gps_layout() -> None:
         assert gps_bytes(p) / k == pytest.approx(layout, rel=0.01)
 
 
+# a config naming a model directory sets what the tiny job's defaults size (job/config.py)
+SIZED = [f"{key}=4096" for key in TINY_DEFAULTS]
+
+
+def test_model_directories_outside_the_catalog_are_described(arch_dirs, tmp_path) -> None:
+    # config.json and the safetensors headers (models/description.py): nested text config,
+    # MoE, hybrid attention layers
+    cfg = load_config(
+        None,
+        [
+            f"models.policy_path={arch_dirs['qwen2-tied']}",
+            f"models.genrm_path={arch_dirs['qwen3.5-moe-vl']}",
+            *SIZED,
+        ],
+    )
+    p = live_inputs(cfg)
+    policy, genrm = p.rollout.model, p.reward.model
+    assert (policy.hidden, policy.heads, policy.kv_heads, policy.tied) == (128, 8, 4, True)
+    assert (genrm.experts, genrm.experts_active, genrm.expert_ffn, genrm.ffn) == (4, 2, 32, 0)
+    assert genrm.kv_attention_layers == 1  # one full-attention layer, one linear
+    broken = tmp_path / "Broken-Model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    bad = load_config(None, [f"models.genrm_path={broken}", *SIZED])
+    with pytest.raises(PivotError) as info:
+        live_inputs(bad)
+    msg = str(info.value)
+    assert "models.genrm_path" in msg and "no hidden_size" in msg and "\n" not in msg
+
+
 def test_catalog_names_from_model_directories() -> None:
     assert catalog_key("Qwen2.5-7B-Instruct") == "qwen2.5-7b"
     assert catalog_key("Qwen2.5-72B") == "qwen2.5-72b"
@@ -265,12 +296,16 @@ def test_gpu_memory_gib_sets_the_capacity() -> None:
 @pytest.fixture
 def planted(tmp_path: Path) -> list[str]:
     """Overrides that make configs/groups/group1 load here: model directories named after
-    the catalog models, and dataset files."""
+    the catalog models (tiny stand-ins of their architectures: the launch checks each for
+    its roles), and dataset files."""
+    from pivot_hpc.recipes.tiny_arch_dirs import build_arch_dir
+
     out = []
-    for key, name in (("policy", "Qwen2.5-1.5B"), ("genrm", "GLM-Z1-9B")):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text("{}")
+    for key, name, arch in (
+        ("policy", "Qwen2.5-1.5B", "qwen2-tied"),
+        ("genrm", "GLM-Z1-9B", "glm4"),
+    ):
+        d = build_arch_dir(arch, tmp_path / name)
         out.append(f"models.{key}_path={d}")
     for key in ("train", "validation"):
         f = tmp_path / f"{key}.parquet"

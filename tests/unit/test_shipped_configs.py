@@ -1,6 +1,6 @@
 """The paper's four model groups are one config each (configs/groups/), read both ways:
 as `pivot-hpc run` launches it (validation with its files, the memory plan on 96 GB H20s,
-the launch checks) and as `pivot-hpc simulate` costs it (the same models, GPU, tensor
+the launch checks, each model directory a tiny stand-in of its architecture) and as `pivot-hpc simulate` costs it (the same models, GPU, tensor
 parallelism, recompute and caps, from the same keys). Keys that moved out of `sim:` fail
 with one line naming their new key. Also: the trainer's dtype key parses and resolves."""
 
@@ -14,6 +14,7 @@ import pytest
 from pivot_hpc.config import ConfigError
 from pivot_hpc.config.loader import MAX_SHOWN_CHARS, load_yaml
 from pivot_hpc.job.config import load_config
+from pivot_hpc.recipes.tiny_arch_dirs import build_arch_dir
 from pivot_hpc.rl.config import TrainerConfig
 from pivot_hpc.sim.config import SimConfig, WorkloadConfig
 
@@ -25,6 +26,16 @@ TABLE = {
     "group2": (1, 4, 32, 8, "qwen2.5-7b", "qwen3-30b-a3b"),
     "group3": (4, 4, 64, 32, "qwen2.5-32b", "qwen3-30b-a3b"),
     "group4": (8, 8, 128, 64, "qwen2.5-72b", "qwen3.5-122b-a10b"),
+}
+# each model directory a group names, as a tiny random-init one of its architecture
+STAND_IN = {
+    "Qwen2.5-1.5B": "qwen2-tied",
+    "Qwen2.5-7B": "qwen2",
+    "Qwen2.5-32B": "qwen2",
+    "Qwen2.5-72B": "qwen2",
+    "GLM-Z1-9B": "glm4",
+    "Qwen3-30B-A3B": "qwen3-moe",
+    "Qwen3.5-122B-A10B": "qwen3.5-moe",
 }
 # §8.1's 2K / 15K / 20K, read as binary K
 CAPS = (2048, 15360, 20480)
@@ -39,8 +50,7 @@ def _planted(tmp_path: Path, path: Path) -> list[str]:
     out = [f"rl.data.train={train}", f"rl.data.validation={val}"]
     for key in ("policy", "genrm"):
         d = tmp_path / Path(load_yaml(path)["models"][f"{key}_path"]).name
-        d.mkdir()
-        (d / "config.json").write_text("{}")
+        build_arch_dir(STAND_IN[d.name], d)  # checked for its roles before a launch
         out.append(f"models.{key}_path={d}")
     return out
 

@@ -1,4 +1,13 @@
-"""The `hf` InferenceEngine: continuous batching over a `transformers` Qwen2 model.
+"""The `hf` InferenceEngine: continuous batching over a `transformers` decoder.
+
+The model is whatever `transformers` builds from the directory's config (Auto classes,
+models/hf_load.py): Qwen2, Qwen3 (q/k norms), Llama (rope scaling lives in the model's
+rotary module), GLM-4 (extra post-attention and post-MLP norms, partial rotary), MoE
+decoders such as Qwen3-MoE (the layer's own MLP module is called), fused qkv or gate_up
+projections. Weights arrive under their checkpoint (GPS) names and are mapped onto the
+model's parameters by `WeightMap`. A decoder whose layers are not softmax attention plus
+an MLP (linear-attention hybrids), or that attends through a sliding window shorter than
+the engine's context, is refused in one line (`unsupported`).
 
 CPU is its home (the embedded default); on a GPU the same loop runs where the model is
 (`engines.<role>.device`): the KV cache and every index tensor are created on the model's
@@ -26,13 +35,14 @@ projections, rotary embedding, MLP, LM head) but owns the KV cache:
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+from torch import nn
 
 from pivot_hpc.engines.base import (
     EngineStats,
@@ -42,6 +52,43 @@ from pivot_hpc.engines.base import (
     Tensors,
     check_new_sequence,
 )
+from pivot_hpc.errors import PivotError
+
+
+class UnsupportedModelError(PivotError, ValueError):
+    """A model the hf engine's own attention loop cannot run."""
+
+
+def unsupported(model, max_len: int | None = None) -> str | None:
+    """Why the hf engine cannot run `model` (None: it can). Checked on the built model:
+    the loop calls the model's own modules, so what it needs is their names."""
+    c = model.config
+    inner = getattr(model, "model", None)
+    if inner is None or not all(
+        hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")
+    ):
+        return "it is not a decoder with embed_tokens, layers, norm and rotary_emb"
+    if not hasattr(model, "lm_head"):
+        return "it has no lm_head"
+    kinds = set(getattr(c, "layer_types", None) or ["full_attention"])
+    if kinds - {"full_attention"}:
+        return f"its layers include {sorted(kinds - {'full_attention'})} (only full attention)"
+    for layer in inner.layers:
+        a = getattr(layer, "self_attn", None)
+        if a is None or not hasattr(a, "o_proj"):
+            return "a decoder layer has no self_attn.o_proj"
+        if not (
+            hasattr(a, "qkv_proj") or all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj"))
+        ):
+            return "its attention has neither q/k/v_proj nor a fused qkv_proj"
+        if not hasattr(sys.modules[type(a).__module__], "apply_rotary_pos_emb"):
+            return "its attention module defines no apply_rotary_pos_emb"
+    window = getattr(c, "sliding_window", None)
+    if window and getattr(c, "use_sliding_window", True) and window < (max_len or 0):
+        return f"it attends through a sliding window of {window} < max_seq_len {max_len}"
+    if getattr(c, "attn_logit_softcapping", None) or getattr(c, "final_logit_softcapping", None):
+        return "it soft-caps logits"
+    return None
 
 
 @dataclass(slots=True)
@@ -59,7 +106,7 @@ class _Seq:
 
 
 class HFEngine(InRank):
-    """Continuous-batching engine over a Qwen2ForCausalLM (see module docstring)."""
+    """Continuous-batching engine over a `transformers` decoder (see module docstring)."""
 
     def __init__(
         self,
@@ -73,6 +120,7 @@ class HFEngine(InRank):
         tokenizer=None,
         num_threads: int | None = 1,
         seed: int = 0,
+        weight_map=None,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -83,6 +131,17 @@ class HFEngine(InRank):
         self.n_kv = c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.max_len = max_seq_len or c.max_position_embeddings
+        why = unsupported(model, self.max_len)
+        if why is not None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: the hf engine cannot run it ({why}); "
+                "serve this role with engines.<role>.engine: vllm or sglang"
+            )
+        from pivot_hpc.models.hf_load import WeightMap
+
+        # checkpoint (GPS) names -> parameters; without the directory's names a map of
+        # the model's own parameter names (every architecture that stores them as such)
+        self.weight_map = weight_map or WeightMap(model, [n for n, _ in model.named_parameters()])
         self.kv_capacity = int(kv_capacity_tokens)
         self.max_batch = int(max_batch)
         self.prefill_chunk_tokens = int(prefill_chunk_tokens)
@@ -115,13 +174,17 @@ class HFEngine(InRank):
         self._rotary = inner.rotary_emb
         self._lm_head = model.lm_head
         self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
-        self._eps = [
-            (
-                layer.input_layernorm.variance_epsilon,
-                layer.post_attention_layernorm.variance_epsilon,
-            )
+        # per layer, the model's own rotary application (GLM-4's is partial and
+        # interleaved, Qwen2/Llama/Qwen3's is not) and its attention's score scale
+        self._rope = [
+            sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
             for layer in self._layers
         ]
+        self._scale = [
+            getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in self._layers
+        ]
+        # the fused SiLU-gated MLP of dense layers; any other MLP (MoE) runs as its module
+        self._silu = getattr(c, "hidden_act", "silu") == "silu"
 
     # ------------------------------------------------------------------ API
     def add(
@@ -249,25 +312,12 @@ class HFEngine(InRank):
         )
 
     def load_weights(self, tensors: Tensors, version: int) -> None:
-        """Copy canonical HF tensors into the model's parameters in place."""
-        params = dict(self.model.named_parameters())
-        unknown = sorted(set(tensors) - set(params) - {"lm_head.weight"})
-        if unknown:
-            raise KeyError(f"load_weights: unknown tensors {unknown[:4]}")
-        missing = sorted(set(params) - set(tensors))
-        if missing:
-            raise KeyError(f"load_weights: missing tensors {missing[:4]}")
+        """Copy tensors under their checkpoint (HF) names into the model's parameters in
+        place (a tied lm_head comes with the embedding; one stored anyway is ignored)."""
         if self._weight_shapes is not None:
             raise RuntimeError("load_weights: call resume_memory() first")
-        with torch.no_grad():
-            for name, p in params.items():
-                t = tensors[name]
-                if t.shape != p.shape:
-                    raise ValueError(
-                        f"load_weights: {name} has shape {tuple(t.shape)}, "
-                        f"model expects {tuple(p.shape)}"
-                    )
-                p.copy_(t.to(p.dtype))
+        self.weight_map.check(tensors, "load_weights")
+        self.weight_map.fill(tensors.__getitem__)
         self._fused = None
         self.version = version
 
@@ -370,41 +420,68 @@ class HFEngine(InRank):
             self._preempt(victim)
 
     # ------------------------------------------------------------- forward
-    def _fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
-        """Per layer: [q; k; v] weight and bias, [gate; up] weight — one matmul instead of
-        three (two) per decode step. Rebuilt after every weight change."""
+    def _fused_weights(
+        self,
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Per layer: [q; k; v] weight and bias, [gate; up] weight (None: the layer's MLP
+        is not a dense SiLU-gated one) — one matmul instead of three (two) per decode
+        step. Rebuilt after every weight change."""
         if self._fused is None:
             self._fused = []
             for layer in self._layers:
                 a, m = layer.self_attn, layer.mlp
-                w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
-                bias = None
-                if a.q_proj.bias is not None:
-                    bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
-                gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
+                if hasattr(a, "qkv_proj"):  # fused already (Phi-3)
+                    w, bias = a.qkv_proj.weight.detach(), a.qkv_proj.bias
+                    bias = None if bias is None else bias.detach()
+                else:
+                    w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+                    bias = None
+                    if a.q_proj.bias is not None:
+                        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+                gu = None
+                if self._silu and hasattr(m, "down_proj") and isinstance(m.down_proj, nn.Linear):
+                    if hasattr(m, "gate_up_proj"):  # fused already (GLM-4, Phi-3)
+                        gu = m.gate_up_proj.weight.detach()
+                    elif hasattr(m, "gate_proj") and hasattr(m, "up_proj"):
+                        gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
                 self._fused.append((w, bias, gu))
         return self._fused
 
     def _norm_in(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
-        w = layer.input_layernorm.weight
-        return F.rms_norm(x, (x.shape[-1],), w, self._eps[li][0])
+        return _norm(layer.input_layernorm, x)
 
     def _attn_qkv(self, li: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         w, bias, _ = self._fused_weights()[li]
+        a = self._layers[li].self_attn
         b, s, _ = h.shape
         qkv = F.linear(h, w, bias)
         nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q, k, v = qkv.split([nq, nk, nk], dim=-1)
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.n_kv, self.head_dim)
+        if getattr(a, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
+            q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = self._rope[li](q, k, cos, sin)
         return q, k, v
 
+    def _attn_out(self, li: int, layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        o = layer.self_attn.o_proj(o)
+        post = getattr(layer, "post_self_attn_layernorm", None)  # GLM-4's sandwich norm
+        return x + (o if post is None else _norm(post, o))
+
     def _mlp(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight, self._eps[li][1])
-        gate, up = F.linear(h, self._fused_weights()[li][2]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        h = _norm(layer.post_attention_layernorm, x)
+        gu = self._fused_weights()[li][2]
+        if gu is None:  # MoE or another MLP: the model's own module
+            out = layer.mlp(h)
+            out = out[0] if isinstance(out, tuple) else out
+        else:
+            gate, up = F.linear(h, gu).chunk(2, dim=-1)
+            out = F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        post = getattr(layer, "post_mlp_layernorm", None)
+        return out if post is None else _norm(post, out)
 
     @torch.no_grad()
     def _prefill(self, seqs: list[_Seq]) -> None:
@@ -447,8 +524,10 @@ class HFEngine(InRank):
             q, k, v = self._attn_qkv(li, self._norm_in(li, layer, x), cos, sin)
             self._k[li][first : first + b, :, :L] = k
             self._v[li][first : first + b, :, :L] = v
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, L, -1))
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=True, scale=self._scale[li]
+            )
+            x = self._attn_out(li, layer, x, o.transpose(1, 2).reshape(b, L, -1))
             x = x + self._mlp(li, layer, x)
         last = x[torch.arange(b, device=dev), lens - 1]
         logits = self._lm_head(self._norm(last))
@@ -478,8 +557,10 @@ class HFEngine(InRank):
             V[ar, :, pos] = v[:, :, 0]
             # query heads of one KV group attend together: [n, kv, g, d] x [n, kv, L, d]
             qg = q.reshape(n, self.n_kv, g, self.head_dim)
-            o = F.scaled_dot_product_attention(qg, K[:n, :, :L], V[:n, :, :L], attn_mask=mask)
-            x = x + layer.self_attn.o_proj(o.reshape(n, 1, -1))
+            o = F.scaled_dot_product_attention(
+                qg, K[:n, :, :L], V[:n, :, :L], attn_mask=mask, scale=self._scale[li]
+            )
+            x = self._attn_out(li, layer, x, o.reshape(n, 1, -1))
             x = x + self._mlp(li, layer, x)
         logits = self._lm_head(self._norm(x[:, 0]))
         for s in seqs:
@@ -545,6 +626,15 @@ class HFEngine(InRank):
         )
 
 
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm of the usual form (weight * x / rms, its epsilon `variance_epsilon`) as
+    one fused op; any other norm (e.g. Gemma's 1 + weight) runs as its module."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is not None and type(module).__name__.endswith("RMSNorm"):
+        return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+    return module(x)
+
+
 def generate_all(
     engine: HFEngine, prompts: list[list[int]], sampling: SamplingParams, first_id: int = 0
 ) -> list[SeqResult]:
@@ -561,7 +651,11 @@ def generate_all(
 def make_hf_engine(model_dir: str, *, device: str = "cpu", **kwargs) -> HFEngine:
     """The engine over the model in `model_dir` on `device` (HFEngine's keyword arguments:
     kv_capacity_tokens, max_batch, max_seq_len, prefill_chunk_tokens, num_threads, seed)."""
-    from pivot_hpc.models.zoo import load_model
+    from pivot_hpc.models.hf_load import load_hf_model
+    from pivot_hpc.models.tokenizer import load_tokenizer
 
-    model, tok = load_model(model_dir)
-    return HFEngine(model.to(device), eos_token_id=tok.eos_token_id, **kwargs)
+    model, weight_map = load_hf_model(model_dir)
+    tok = load_tokenizer(model_dir)
+    return HFEngine(
+        model.to(device), eos_token_id=tok.eos_token_id, weight_map=weight_map, **kwargs
+    )

@@ -1,0 +1,135 @@
+"""Each configured model directory checked for its roles before a launch (issue 46 #7).
+
+`pivot-hpc run`, `submit` and slurm/pivot.sbatch (runtime/world.py `check_before_launch`)
+and `pivot-hpc plan` ask here, so that a directory a role cannot use is one line naming
+the directory, the config key and the fix (exit 2), never a traceback in a rank:
+
+- readable: config.json and safetensors headers describe it (models/description.py);
+- a tokenizer: the runtime tokenizes prompts and judgements with the model's own;
+- a weight dtype GPS stores (bf16, fp16, fp32);
+- tensor-parallel sizes that cut each split tensor (the role's `tp`: rollout.tp for the
+  policy's replicas, reward.tp for the GenRM's, rl.trainer.tp for training);
+- an engine that runs its architecture: for `hf`, the model `transformers` builds from its
+  config (on the meta device: no memory, no weights) is one the engine's loop runs and the
+  directory's tensors fill it by name; vLLM and SGLang decide for themselves at load;
+- for the policy, a training engine that trains it: Megatron's conversion
+  (engines/megatron/convert.py) maps the Qwen2 layout only today.
+
+A directory the generated tiny models use (no `*_path` set) is not checked: it is ours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pivot_hpc.errors import ConfigError, PivotError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+STORED_DTYPES = ("bfloat16", "float16", "float32")
+# model_type values the Megatron training engine converts (engines/megatron/convert.py)
+TRAINABLE = {"qwen2": "Qwen2/Qwen2.5"}
+
+
+def check_model_dirs(cfg: Any, *, existing_only: bool = False) -> None:
+    """Raise ConfigError (one line) for the first configured directory a role cannot use.
+    `existing_only`: skip directories that are not on this machine (`plan` runs anywhere)."""
+    m = cfg.models
+    roles = (
+        ("policy_path", m.policy_path, [("rollout", cfg.rollout.tp)], True),
+        ("genrm_path", m.genrm_path, [("reward", cfg.reward.tp)], False),
+    )
+    for key, d, inference, trained in roles:
+        if d is None or (existing_only and not Path(d).exists()):
+            continue
+        check_dir(cfg, f"models.{key}", Path(d), inference, trained)
+
+
+def check_dir(cfg: Any, key: str, d: Path, inference: list[tuple[str, int]], trained: bool) -> None:
+    from pivot_hpc.models.description import description_of
+
+    def fail(why: str, fix: str) -> None:
+        raise ConfigError(f"config key '{key}' = {str(d)!r}: {why}; {fix}")
+
+    try:
+        desc = description_of(d)
+    except PivotError as exc:  # already names the file and the fix
+        raise ConfigError(f"config key '{key}': {exc}") from None
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        fail(
+            f"no tokenizer ({', '.join(TOKENIZER_FILES)})",
+            "copy the model's tokenizer files into the directory",
+        )
+    if desc.weights_dtype not in STORED_DTYPES:
+        fail(
+            f"its weights are {desc.weights_dtype}",
+            f"give a checkpoint in one of {', '.join(STORED_DTYPES)}",
+        )
+    arch = ", ".join(desc.architectures) or desc.model_type
+    spec = _spec(desc)
+    checks = [(f"{role}.tp", tp) for role, tp in inference]
+    if trained:
+        checks.append(("rl.trainer.tp", cfg.rl.trainer.tp))
+    for tp_key, tp in checks:
+        why = _tp_problem(spec, tp)
+        if why is not None:
+            fail(f"{tp_key}={tp} cannot cut {arch}: {why}", f"set {tp_key} to one of those")
+    for role, _tp in inference:
+        engine = getattr(cfg.engines, role).engine
+        if engine == "hf":
+            why = hf_problem(d, desc, getattr(cfg.engines, role).max_seq_len)
+            if why is not None:
+                fail(
+                    f"{arch} cannot run on engines.{role}.engine=hf ({why})",
+                    f"set engines.{role}.engine to vllm or sglang",
+                )
+    if trained:
+        engine = cfg.rl.trainer.engine
+        if engine == "megatron" and desc.text_model_type not in TRAINABLE:
+            fail(
+                f"rl.trainer.engine=megatron cannot train {arch} yet (model_type "
+                f"{desc.text_model_type!r}; its conversion maps "
+                f"{', '.join(TRAINABLE.values())} only: engines/megatron/convert.py)",
+                "train a Qwen2/Qwen2.5 policy, or serve this model as models.genrm_path",
+            )
+
+
+def _spec(desc):
+    from pivot_hpc.gps import ModelSpec
+
+    return ModelSpec.from_description(desc, name="check")
+
+
+def _tp_problem(spec, tp: int) -> str | None:
+    from pivot_hpc.gps import Parallelism
+    from pivot_hpc.gps.catalog import GPSError
+
+    try:
+        spec.check(Parallelism(tp=tp))
+    except GPSError as exc:
+        return str(exc).removeprefix("model 'check': ")
+    return None
+
+
+def hf_problem(d: Path, desc, max_seq_len: int | None = None) -> str | None:
+    """Why the hf engine cannot serve directory `d` (None: it can): the model transformers
+    builds from its config, on the meta device, checked as the engine checks it, and the
+    directory's tensors checked against the names that model needs."""
+    import torch
+
+    from pivot_hpc.engines.hf.engine import unsupported
+    from pivot_hpc.models.hf_load import WeightMap, build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(d)
+    except PivotError as exc:
+        return str(exc)
+    why = unsupported(model, max_seq_len or desc.max_position_embeddings)
+    if why is not None:
+        return why
+    try:
+        WeightMap(model, desc.names).check(desc.names, "its safetensors")
+    except PivotError as exc:
+        return str(exc)
+    return None
