@@ -11,8 +11,10 @@ from pivot_hpc.errors import fail
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A Qwen2-architecture decoder. `vocab_size` is padded above the 99 char tokens so
-    it divides any small tensor-parallel size (Megatron shards the vocabulary)."""
+    """A dense Llama-family decoder: Qwen2 (the tiny models' default: q/k/v biases),
+    Qwen3 (q/k norms, no biases) or Llama 3 (llama3 rope scaling). `vocab_size` is padded
+    above the 99 char tokens so it divides any small tensor-parallel size (Megatron shards
+    the vocabulary)."""
 
     hidden_size: int = 128  # model width
     num_layers: int = 2  # decoder layers
@@ -25,9 +27,21 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_word_embeddings: bool = False  # output layer shares the embedding
     initializer_range: float = 0.02  # std of the random initial weights
+    head_dim: int | None = None  # per-head width; None = hidden_size / num_heads (Qwen3 sets it)
+    qkv_bias: bool = True  # q/k/v projections carry a bias (Qwen2; not Qwen3 or Llama)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys before rotary (Qwen3)
+    # Llama 3's rope scaling (transformers' rope_type "llama3"); 0 = none
+    rope_llama3_factor: float = 0.0
+    rope_llama3_low_freq_factor: float = 1.0  # (its low_freq_factor)
+    rope_llama3_high_freq_factor: float = 4.0  # (its high_freq_factor)
+    rope_llama3_original_max_position: int = 8192  # (its original_max_position_embeddings)
+
+    def head_size(self) -> int:
+        """Each attention head's width."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
     def validate(self, path: str) -> None:
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             fail(f"{path}.hidden_size", self.hidden_size, "must be a multiple of num_heads")
         if self.num_heads % self.num_kv_heads:
             fail(f"{path}.num_kv_heads", self.num_kv_heads, "must divide num_heads")

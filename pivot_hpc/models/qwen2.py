@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pivot_hpc.models.config import ModelConfig
 from pivot_hpc.models.tokenizer import build_tokenizer
+from pivot_hpc.models.trainable import model_config_of_dir, model_config_of_hf
 
 
 def hf_config(cfg: ModelConfig) -> Qwen2Config:
@@ -47,31 +46,10 @@ def create_model(cfg: ModelConfig, seed: int = 0) -> Qwen2ForCausalLM:
     return model
 
 
-def model_config_of(model: Qwen2ForCausalLM) -> ModelConfig:
+def model_config_of(model) -> ModelConfig:
     """The ModelConfig that describes an existing HF model."""
     return model_config_of_hf(model.config)
 
 
-def model_config_of_dir(path: str | Path) -> ModelConfig:
-    """The ModelConfig of the HF model directory `path`, from its config.json alone (the
-    weights are never read: a training rank needs the shape, not a whole-model copy)."""
-    from transformers import AutoConfig
-
-    return model_config_of_hf(AutoConfig.from_pretrained(str(path)))
-
-
-def model_config_of_hf(c) -> ModelConfig:
-    """The ModelConfig of a transformers config object."""
-    return ModelConfig(
-        hidden_size=c.hidden_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads,
-        intermediate_size=c.intermediate_size,
-        vocab_size=c.vocab_size,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_theta=float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]),
-        rms_norm_eps=c.rms_norm_eps,
-        tie_word_embeddings=bool(c.tie_word_embeddings),
-        initializer_range=c.initializer_range,
-    )
+# the ModelConfig of a directory or config: models/trainable.py (every trained family)
+__all__ = ["create_model", "hf_config", "model_config_of", "model_config_of_dir"]

@@ -13,7 +13,8 @@ the directory, the config key and the fix (exit 2), never a traceback in a rank:
   config (on the meta device: no memory, no weights) is one the engine's loop runs and the
   directory's tensors fill it by name; vLLM and SGLang decide for themselves at load;
 - for the policy, a training engine that trains it: Megatron's conversion
-  (engines/megatron/convert.py) maps the Qwen2 layout only today.
+  (engines/megatron/convert.py) maps Qwen2/Qwen2.5, Qwen3 dense and Llama 3
+  (models/trainable.py says what else in a config it refuses).
 
 A directory the generated tiny models use (no `*_path` set) is not checked: it is ours.
 """
@@ -27,8 +28,6 @@ from pivot_hpc.errors import ConfigError, PivotError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 STORED_DTYPES = ("bfloat16", "float16", "float32")
-# model_type values the Megatron training engine converts (engines/megatron/convert.py)
-TRAINABLE = {"qwen2": "Qwen2/Qwen2.5"}
 
 
 def check_model_dirs(cfg: Any, *, existing_only: bool = False) -> None:
@@ -83,15 +82,21 @@ def check_dir(cfg: Any, key: str, d: Path, inference: list[tuple[str, int]], tra
                     f"{arch} cannot run on engines.{role}.engine=hf ({why})",
                     f"set engines.{role}.engine to vllm or sglang",
                 )
-    if trained:
-        engine = cfg.rl.trainer.engine
-        if engine == "megatron" and desc.text_model_type not in TRAINABLE:
+    if trained and cfg.rl.trainer.engine == "megatron":
+        why = _training_problem(d)
+        if why is not None:
             fail(
-                f"rl.trainer.engine=megatron cannot train {arch} yet (model_type "
-                f"{desc.text_model_type!r}; its conversion maps "
-                f"{', '.join(TRAINABLE.values())} only: engines/megatron/convert.py)",
-                "train a Qwen2/Qwen2.5 policy, or serve this model as models.genrm_path",
+                f"rl.trainer.engine=megatron cannot train {arch} ({why})",
+                "train one of those families, or serve this model as models.genrm_path",
             )
+
+
+def _training_problem(d: Path) -> str | None:
+    from transformers import AutoConfig
+
+    from pivot_hpc.models.trainable import training_problem
+
+    return training_problem(AutoConfig.from_pretrained(str(d)))
 
 
 def _spec(desc):

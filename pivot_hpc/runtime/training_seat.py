@@ -103,7 +103,7 @@ class TrainingSeat:
 
     def _make_trainer(self) -> SupervisedTrainer:
         from pivot_hpc.engines.factory import make_trainer
-        from pivot_hpc.models.qwen2 import model_config_of_dir
+        from pivot_hpc.models.trainable import model_config_of_dir
 
         env = self.world.trainer_env(self.rank, child=self.child, generation=self._generation)
         return make_trainer(

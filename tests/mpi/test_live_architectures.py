@@ -1,7 +1,7 @@
 """Real architectures live (issue 46): `pivot-hpc run configs/tiny.yaml` with a tiny
 random-init directory (recipes/tiny_arch_dirs.py, the tiny job's char tokenizer inside) as
-the GenRM, and a tied-embedding Qwen2 (Qwen2.5-0.5B/1.5B/3B's layout) as the trained
-policy: every step runs, the policy is published at every step (no KeyError
+the GenRM, a tied-embedding Qwen2 (Qwen2.5-0.5B/1.5B/3B's layout), a Qwen3 and a
+Llama 3 as the trained policy: every step runs, the policy is published at every step (no KeyError
 'lm_head.weight'), and the run checkpoints and resumes. Random weights need not learn:
 their judgements are unparsable, which the run counts."""
 
@@ -42,6 +42,17 @@ def test_genrm_of_each_architecture_runs_its_steps(tmp_path: Path, arch: str) ->
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "pivot-hpc: done: 3 steps" in out.stdout and "GenRM unparsable" in out.stdout
     assert list(open_run(tmp_path / "run")["steps"]["version"]) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama3"])
+def test_dense_policy_of_each_family_trains_and_publishes(tmp_path: Path, arch: str) -> None:
+    # Qwen3 (q/k norms, no q/k/v bias) and Llama 3 (llama3 rope scaling) as the trained
+    # policy, beside the tiny GenRM: every step trains and publishes a new version
+    policy = build_arch_dir(arch, tmp_path / arch, dtype="bfloat16")
+    out = run(tmp_path / "run", f"models.policy_path={policy}", steps=2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "pivot-hpc: done: 2 steps" in out.stdout
+    assert list(open_run(tmp_path / "run")["steps"]["version"]) == [1, 2]
 
 
 def test_tied_policy_trains_publishes_and_resumes(tmp_path: Path) -> None:

@@ -23,8 +23,8 @@ def test_every_genrm_architecture_passes_on_hf(arch_dirs, arch):
     check_model_dirs(_cfg(f"models.genrm_path={arch_dirs[arch]}"))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied"])
-def test_qwen2_policies_pass(arch_dirs, arch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied", "qwen3", "llama3"])
+def test_trainable_policies_pass(arch_dirs, arch):
     check_model_dirs(_cfg(f"models.policy_path={arch_dirs[arch]}"))
 
 
@@ -39,8 +39,12 @@ def test_linear_attention_genrm_on_hf_is_refused(arch_dirs):
 
 
 def test_untrainable_policy_is_refused(arch_dirs):
-    with pytest.raises(ConfigError, match=r"models.policy_path.*megatron cannot train.*qwen3"):
-        check_model_dirs(_cfg(f"models.policy_path={arch_dirs['qwen3']}"))
+    with pytest.raises(ConfigError) as e:
+        check_model_dirs(_cfg(f"models.policy_path={arch_dirs['qwen3-moe']}"))
+    msg = str(e.value)
+    assert "models.policy_path" in msg and "\n" not in msg
+    assert "megatron cannot train Qwen3MoeForCausalLM (model_type 'qwen3_moe'" in msg
+    assert "Qwen3 (dense), Llama 3" in msg and "serve this model as models.genrm_path" in msg
 
 
 def test_tp_that_does_not_cut_the_model_is_refused(tmp_path):

@@ -1,6 +1,9 @@
-"""Megatron (local spec, tensor-parallel shards) ↔ canonical HuggingFace Qwen2 tensors.
+"""Megatron (local spec, tensor-parallel shards) ↔ canonical Hugging Face tensors of the
+dense decoders the trainer trains: Qwen2/Qwen2.5, Qwen3 and Llama 3.
 
-Canonical = the names and layouts of `transformers`' Qwen2ForCausalLM (docs/design.md §4).
+Canonical = the names and layouts of `transformers`' Qwen2ForCausalLM, Qwen3ForCausalLM
+and LlamaForCausalLM (docs/design.md §4); they differ only in q/k/v biases (Qwen2) and
+per-head q/k norms (Qwen3: `self_attn.q_norm` ↔ `self_attention.q_layernorm`, replicated).
 Megatron fuses and shards (docs/platform.md):
 - `linear_qkv` rows are grouped per KV group: [q (nh/nkv·d rows), k (d), v (d)] × nkv;
   a TP rank holds a contiguous block of nkv/tp groups.
@@ -18,6 +21,14 @@ import torch
 from pivot_hpc.models.config import ModelConfig
 
 Tensors = dict[str, torch.Tensor]
+
+
+# Qwen3's per-head norms: (megatron's name, transformers' name), under the attention
+QK_NORMS = (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))
+
+
+def _qkv_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if cfg.qkv_bias else ("weight",)
 
 
 def _chunk(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
@@ -41,7 +52,7 @@ def _split_qkv(
     qkv: torch.Tensor, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = cfg.num_kv_heads
-    d = cfg.hidden_size // cfg.num_heads
+    d = cfg.head_size()
     per = cfg.num_heads // g
     tail = qkv.shape[1:]
     grouped = qkv.reshape(g, (per + 2) * d, *tail)
@@ -65,12 +76,15 @@ def hf_to_megatron(hf: Tensors, cfg: ModelConfig, tp_rank: int = 0, tp_size: int
         a = h + "self_attn."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"].clone()
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"].clone()
-        for kind in ("weight", "bias"):
+        for kind in _qkv_kinds(cfg):
             qkv = _fuse_qkv(
                 hf[f"{a}q_proj.{kind}"], hf[f"{a}k_proj.{kind}"], hf[f"{a}v_proj.{kind}"], cfg
             )
             out[f"{m}self_attention.linear_qkv.{kind}"] = _chunk(qkv, r, t)
         out[m + "self_attention.linear_proj.weight"] = _chunk(hf[a + "o_proj.weight"], r, t, 1)
+        if cfg.qk_norm:
+            for ours, theirs in QK_NORMS:
+                out[f"{m}self_attention.{ours}.weight"] = hf[f"{a}{theirs}.weight"].clone()
         gate = _chunk(hf[h + "mlp.gate_proj.weight"], r, t)
         up = _chunk(hf[h + "mlp.up_proj.weight"], r, t)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
@@ -97,17 +111,20 @@ def megatron_to_hf(shards: list[Tensors], cfg: ModelConfig) -> Tensors:
     )
     sub = ModelConfig(**{**cfg.__dict__, "num_heads": cfg.num_heads // t})
     sub.num_kv_heads = cfg.num_kv_heads // t
-    sub.hidden_size = cfg.hidden_size // t  # only head_dim = hidden/heads matters in split
+    sub.head_dim = cfg.head_size()  # one TP rank's heads, each as wide
     for i in range(cfg.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         a = h + "self_attn."
         hf[h + "input_layernorm.weight"] = s0[m + "input_layernorm.weight"].clone()
         hf[h + "post_attention_layernorm.weight"] = s0[m + "pre_mlp_layernorm.weight"].clone()
-        for kind in ("weight", "bias"):
+        for kind in _qkv_kinds(cfg):
             parts = [_split_qkv(s[f"{m}self_attention.linear_qkv.{kind}"], sub) for s in shards]
             for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                 hf[f"{a}{proj}.{kind}"] = torch.cat([p[j] for p in parts], dim=0)
         hf[a + "o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
+        if cfg.qk_norm:
+            for ours, theirs in QK_NORMS:
+                hf[f"{a}{theirs}.weight"] = s0[f"{m}self_attention.{ours}.weight"].clone()
         gates, ups = zip(
             *(s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards), strict=True
         )

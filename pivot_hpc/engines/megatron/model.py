@@ -1,8 +1,11 @@
-"""Build a megatron-core GPTModel (local layer spec) that computes exactly Qwen2.
+"""Build a megatron-core GPTModel (local layer spec) that computes exactly the dense
+decoder a `ModelConfig` describes: Qwen2, Qwen3 or Llama 3.
 
-Qwen2 = RMSNorm, rotary embeddings (rotate-half), GQA attention with bias on q/k/v only,
-SwiGLU MLP without bias, untied (or tied) output layer. The same `ModelConfig` that
-creates the HF model creates this one, so the conversion in `convert.py` is total.
+All three = RMSNorm, rotary embeddings (rotate-half), GQA attention, SwiGLU MLP without
+bias, untied (or tied) output layer; Qwen2 adds a bias on q/k/v only, Qwen3 an RMSNorm on
+each head's queries and keys (megatron's qk_layernorm), Llama 3 scales its rotary
+frequencies (rope_type "llama3"). The same `ModelConfig` describes the HF model, so the
+conversion in `convert.py` is total.
 """
 
 from __future__ import annotations
@@ -132,11 +135,12 @@ def transformer_config(cfg: ModelConfig, tp: int, dtype: str = "fp32", recompute
         ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_heads,
         num_query_groups=cfg.num_kv_heads,
-        kv_channels=cfg.hidden_size // cfg.num_heads,
+        kv_channels=cfg.head_size(),
         normalization="RMSNorm",
         layernorm_epsilon=cfg.rms_norm_eps,
         add_bias_linear=False,
-        add_qkv_bias=True,
+        add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         bias_activation_fusion=False,
@@ -177,7 +181,7 @@ def build_gpt_model(
     if dtype not in DTYPES:
         raise ValueError(f"build_gpt_model: dtype={dtype!r}; valid: {sorted(DTYPES)}")
     tcfg = transformer_config(cfg, tp, dtype, recompute)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm)
     if attention == "sdpa":
         from pivot_hpc.engines.megatron.sdpa_attention import sdpa_layer_spec
 
@@ -196,12 +200,34 @@ def build_gpt_model(
         rotary_base=int(cfg.rope_theta),
         parallel_output=True,
     )
+    if cfg.rope_llama3_factor:
+        _scale_rotary(model, cfg)
     if dtype == "bf16":
         # the local spec's torch norms are created in fp32 whatever params_dtype says
         model = model.to(torch.bfloat16)
     if not megatron_cpu_shim.needed():
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def _scale_rotary(model, cfg: ModelConfig) -> None:
+    """Llama 3's rope scaling with the directory's own parameters: megatron's
+    `rope_scaling` takes the factor only and fixes the other three at Llama 3.1's values,
+    so the frequencies are scaled here from the unscaled ones, exactly as transformers'
+    `_compute_llama3_parameters` does."""
+    rotary = model.rotary_pos_emb
+    dim = cfg.head_size()
+    base = 1.0 / (
+        cfg.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device) / dim)
+    )
+    rotary.inv_freq = rotary._apply_scaling(
+        base,
+        factor=cfg.rope_llama3_factor,
+        low_freq_factor=cfg.rope_llama3_low_freq_factor,
+        high_freq_factor=cfg.rope_llama3_high_freq_factor,
+        original_max_position_embeddings=cfg.rope_llama3_original_max_position,
+    )
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
