@@ -57,4 +57,5 @@ shellcheck slurm/*.sh slurm/*.sbatch
 # Compile the scheduler's numba loops once, outside any test timeout.
 "$PY" -c 'import pivot_hpc.bench.planner_bench as b, argparse; b.run(argparse.Namespace(gpus=16, snapshots=1, repeat=1, seed=0, strategy="pivot", json=True))' >/dev/null
 
-exec "$PY" -m pytest -q tests "$@"
+# The slowest tests are listed above the summary line, so every CI log says where its time went.
+exec "$PY" -m pytest -q --durations=25 tests "$@"

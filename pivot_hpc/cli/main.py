@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("pivot_hpc.cli.plan", "will it fit: memory per GPU and role, host memory per node"),
     "trace": ("pivot_hpc.cli.trace", "write a run's telemetry as a Perfetto/Chrome trace"),
     "submit": ("pivot_hpc.cli.submit", "submit the main job to Slurm (submitit; requeues itself)"),
+    "export": (
+        "pivot_hpc.cli.export",
+        "a checkpoint's policy as a Hugging Face directory (transformers, vLLM)",
+    ),
 }
 
 

@@ -282,3 +282,33 @@ def test_profile_fits_the_throughput_model_on_vllm(started, tmp_path, capsys):
     # prefill timed on the same engine (batches 1 and 4 × the context lengths)
     assert out["prefill_s_per_token"] > 0
     assert tc.prefill_s_per_token == pytest.approx(out["prefill_s_per_token"])
+
+
+@pytest.mark.slow  # a second vLLM engine, in its own child process
+def test_an_exported_checkpoint_loads_in_vllm_with_its_weights(model_dir, tmp_path):
+    """`pivot-hpc export` of a checkpoint (cli/export.py): vLLM serves the directory with the
+    checkpoint's weights, greedy tokens and logprobs as transformers computes them."""
+    from pivot_hpc.cli.main import main
+    from tests.export_support import write_checkpoint
+
+    write_checkpoint(tmp_path / "run", model_dir, step=4, seed=1)
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+    trained = load_model(out)[0]
+    ref = generate_all(HFEngine(trained, kv_capacity_tokens=KV), PROMPTS, greedy(8))
+    base = generate_all(
+        HFEngine(load_model(model_dir)[0], kv_capacity_tokens=KV), PROMPTS, greedy(8)
+    )
+    assert [r.logprobs for r in ref] != [r.logprobs for r in base]  # trained, not the base
+    eng = make_inference_engine(
+        _cfg(process="child", max_batch=4, max_seq_len=64, num_threads=1), "rollout", out, seed=0
+    )
+    try:
+        for i, p in enumerate(PROMPTS):
+            eng.add(i, p, sampling=greedy(8))
+        got = drain(eng)
+    finally:
+        eng.close()
+    for i, r in enumerate(ref):
+        assert got[i].token_ids == r.token_ids
+        assert got[i].logprobs == pytest.approx(r.logprobs, abs=1e-4)

@@ -135,17 +135,17 @@ def test_signal_checkpoints_partial_work_and_resume_trains_each_sample_once(
 def test_kill_9_at_random_moments_always_resumes_from_a_complete_checkpoint(
     tmp_path: Path,
 ) -> None:
-    # 60 steps: far more than 6 allocations cut short get through, so every kill lands
-    # mid-run (two in start-up, four while it works); the last allocation then finishes 2
+    # 60 steps: far more than 4 allocations cut short get through, so every kill lands
+    # mid-run (two in start-up, two while it works); the last allocation then finishes 2
     # steps past the newest checkpoint (loop.steps may change on resume)
     overrides = ["loop.steps=60", "loop.batch_prompts=2", "checkpoint.interval_steps=1"]
     run_dir = tmp_path / "run"
     rng = random.Random(7)
     seen_steps = []
-    for kill in range(6):
+    for kill in range(4):
         log = tmp_path / f"alloc-{kill}.log"
         proc = start(run_dir, log, *overrides, delay_s=0.05)
-        if kill % 3 == 0:  # somewhere in start-up: models, GPS, workers, restore
+        if kill % 2 == 0:  # somewhere in start-up: models, GPS, workers, restore
             time.sleep(rng.uniform(1.0, 10.0))
         else:  # while it works: rollout, reward, training, checkpoint writing
             wait_for(log, "pivot-hpc: checkpoint", proc, timeout=300)
