@@ -5,7 +5,8 @@ and `pivot-hpc plan` ask here, so that a directory a role cannot use is one line
 the directory, the config key and the fix (exit 2), never a traceback in a rank:
 
 - readable: config.json and safetensors headers describe it (models/description.py);
-- a tokenizer: the runtime tokenizes prompts and judgements with the model's own;
+- a tokenizer that loads, names an end-of-sequence token and fits the model's vocabulary:
+  the runtime tokenizes prompts and judgements with the model's own (models/prompting.py);
 - a weight dtype GPS stores (bf16, fp16, fp32);
 - tensor-parallel sizes that cut each split tensor (the role's `tp`: rollout.tp for the
   policy's replicas, reward.tp for the GenRM's, rl.trainer.tp for training);
@@ -59,6 +60,9 @@ def check_dir(cfg: Any, key: str, d: Path, inference: list[tuple[str, int]], tra
             f"no tokenizer ({', '.join(TOKENIZER_FILES)})",
             "copy the model's tokenizer files into the directory",
         )
+    why = _tokenizer_problem(d, desc)
+    if why is not None:
+        fail(why, "copy the tokenizer files that came with the model into the directory")
     if desc.weights_dtype not in STORED_DTYPES:
         fail(
             f"its weights are {desc.weights_dtype}",
@@ -89,6 +93,25 @@ def check_dir(cfg: Any, key: str, d: Path, inference: list[tuple[str, int]], tra
                 f"rl.trainer.engine=megatron cannot train {arch} ({why})",
                 "train one of those families, or serve this model as models.genrm_path",
             )
+
+
+def _tokenizer_problem(d: Path, desc) -> str | None:
+    """Why the runtime cannot read and write this model's text with its tokenizer."""
+    from pivot_hpc.models.prompting import load_prompter
+    from pivot_hpc.models.safetensors_headers import ModelDirError
+
+    try:
+        p = load_prompter(d)
+    except ModelDirError:
+        return "no end-of-sequence token in its tokenizer, config.json or generation_config.json"
+    except Exception as exc:  # whatever transformers raises for a broken tokenizer
+        return f"its tokenizer does not load ({type(exc).__name__}: {str(exc)[:160]})"
+    if len(p.tok) > desc.vocab_size:
+        return (
+            f"its tokenizer has {len(p.tok)} tokens, more than the model's vocab_size "
+            f"{desc.vocab_size} (a token past it has no embedding)"
+        )
+    return None
 
 
 def _training_problem(d: Path) -> str | None:

@@ -41,14 +41,14 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 
 
 def encode_prompt(tok, text: str, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
-    """The prompt's token ids: BOS + `text`; or, when the prompt came as a chat
-    (`messages`: (role, content) pairs, e.g. DAPO-Math-17k's) and the tokenizer has a chat
-    template, that template with the generation prompt (its own special tokens included)."""
-    if messages and getattr(tok, "chat_template", None):
-        chat = [{"role": role, "content": content} for role, content in messages]
-        templated = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        return list(tok.encode(templated, add_special_tokens=False))
-    return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False)]
+    """The prompt's token ids: the tokenizer's BOS (when it has one) + `text`; or, when the
+    prompt came as a chat (`messages`: (role, content) pairs, e.g. DAPO-Math-17k's) and the
+    tokenizer has a chat template, that template with the generation prompt (its own
+    special tokens included). The live roles use models/prompting.py, which also sends
+    text prompts through a chat template."""
+    from pivot_hpc.models.prompting import prompter_of
+
+    return prompter_of(tok, chat=False).encode(text, messages)
 
 
 def decode_response(tok, ids: Sequence[int]) -> str:

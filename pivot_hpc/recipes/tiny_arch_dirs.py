@@ -20,7 +20,8 @@ for the paper's models in tests, benchmarks and `plan` checks:
     qwen3.5-moe-vl  Qwen3_5MoeForConditionalGeneration: the same decoder nested under
                  `text_config`, a one-block vision tower      Qwen3.5-122B-A10B as shipped
 
-`python -m pivot_hpc.recipes.tiny_arch_dirs ARCH OUT [--dtype bfloat16] [--seed 0]`.
+`python -m pivot_hpc.recipes.tiny_arch_dirs ARCH OUT [--dtype bfloat16] [--seed 0]
+[--tokenizer char|chatml|llama3]` (the tokenizer: recipes/tiny_tokenizers.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pivot_hpc.recipes.tiny_tokenizers import KINDS
 
 DTYPES = ("float32", "bfloat16")
 PAD, BOS, EOS = 0, 1, 2  # the char tokenizer's ids (models/tokenizer.py)
@@ -148,20 +151,30 @@ def create_arch_model(arch: str, *, dtype: str = "float32", seed: int = 0, **ove
 
 
 def build_arch_dir(
-    arch: str, out: str | Path, *, dtype: str = "float32", seed: int = 0, **overrides: Any
+    arch: str,
+    out: str | Path,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    tokenizer: str = "char",
+    **overrides: Any,
 ) -> Path:
-    """Save a tiny random-init `arch` model, the char tokenizer and a generation config
-    with its EOS into `out` (created); returns `out`. `overrides`: config sizes
-    (e.g. num_key_value_heads=2)."""
-    from pivot_hpc.models.tokenizer import build_tokenizer
+    """Save a tiny random-init `arch` model, a tokenizer (`tokenizer`: one of
+    recipes/tiny_tokenizers.py's kinds, the tiny job's char tokenizer by default) and a
+    generation config with its end ids into `out` (created); returns `out`. `overrides`:
+    config sizes (e.g. num_key_value_heads=2)."""
+    from pivot_hpc.recipes.tiny_tokenizers import build_family_tokenizer
 
     out = Path(out)
-    model = create_arch_model(arch, dtype=dtype, seed=seed, **overrides)
+    tok, ids = build_family_tokenizer(tokenizer)
+    specials = {f"{k}_token_id": ids[k] for k in ("pad", "bos", "eos")}
+    model = create_arch_model(arch, dtype=dtype, seed=seed, **{**specials, **overrides})
     gen = model.generation_config
-    gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = BOS, EOS, PAD
+    gen.bos_token_id, gen.pad_token_id = ids["bos"], ids["pad"]
+    gen.eos_token_id = ids["end"] if len(ids["end"]) > 1 else ids["end"][0]
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    build_tokenizer().save_pretrained(out)
+    tok.save_pretrained(out)
     return out
 
 
@@ -171,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--dtype", choices=DTYPES, default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", choices=KINDS, default="char")
     args = ap.parse_args(argv)
-    print(build_arch_dir(args.arch, args.out, dtype=args.dtype, seed=args.seed))
+    out = build_arch_dir(
+        args.arch, args.out, dtype=args.dtype, seed=args.seed, tokenizer=args.tokenizer
+    )
+    print(out)
     return 0
 
 

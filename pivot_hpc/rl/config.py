@@ -185,6 +185,9 @@ class RewardConfig:
     genrm_max_tokens: int = 96  # judgements are ~60 chars on the synthetic task
     genrm_temperature: float = 0.0  # greedy judgements
     genrm_reference: bool = True  # show the GenRM the reference answer (reference-guided)
+    # the GenRM's prompt goes through the GenRM's own chat template (its tokenizer's, not
+    # the policy's) as one user message, when its tokenizer has one; false: its BOS + text
+    genrm_chat_template: bool = True
     # DAPO's soft overlong punishment, added to the verifiable reward: 0 up to
     # rl.max_response_tokens − overlong_buffer_len tokens, then falling linearly to
     # −overlong_penalty_factor at rl.max_response_tokens (0 = off)
@@ -216,6 +219,10 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"  # (the ground truth's column)
     synthetic_seed: int = 0  # seed of the synthetic task
+    # a prompt given as text goes to the policy as one user message through its chat
+    # template, when its tokenizer has one (false: its BOS + the text, e.g. for a base model
+    # trained on plain prompts); a prompt given as messages always goes through it
+    apply_chat_template: bool = True
 
     def validate(self, path: str) -> None:
         for name in ("train", "validation"):

@@ -16,7 +16,7 @@ import torch
 
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams
-from pivot_hpc.models.tokenizer import decode_response, encode_prompt
+from pivot_hpc.models.prompting import prompter_of
 from pivot_hpc.rl.rewards import score_answers
 
 
@@ -58,9 +58,11 @@ class Evaluator:
 
         self.cfg = cfg
         self.gps = gps
-        self.tok = tok
+        # the policy's tokenizer or Prompter: prompts encoded as in training
+        self.text = prompter_of(tok, chat=cfg.rl.data.apply_chat_template)
+        self.tok = self.text.tok
         self.problems = problems
-        self.prompts = [encode_prompt(tok, p.prompt, p.messages) for p in problems]
+        self.prompts = [self.text.encode(p.prompt, p.messages) for p in problems]
         self.engine = make_hf_engine(
             str(policy_dir),
             kv_capacity_tokens=cfg.rollout.kv_capacity_tokens,
@@ -70,14 +72,14 @@ class Evaluator:
         self.sampling = SamplingParams(
             temperature=0.0,
             max_tokens=cfg.rl.max_response_tokens,
-            stop_token_ids=(tok.eos_token_id,),
+            stop_token_ids=self.text.stop_ids,
         )
         self.history: list[Evaluation] = []
         self.turns = None  # tools.enabled: trajectories with tool calls (evaluation_turns.py)
         if cfg.tools.enabled:
             from pivot_hpc.runtime.evaluation_turns import EvalTurns
 
-            self.turns = EvalTurns(tok, self.sampling, cfg.tools)
+            self.turns = EvalTurns(self.tok, self.sampling, cfg.tools)
 
     def due(self, version: int) -> bool:
         every = self.cfg.loop.eval_every_steps
@@ -96,7 +98,7 @@ class Evaluator:
             texts = self.turns.answers(self.engine, self.prompts, local_service())
         else:
             results = generate_all(self.engine, self.prompts, self.sampling)
-            texts = [decode_response(self.tok, r.token_ids) for r in results]
+            texts = [self.text.decode(r.token_ids) for r in results]
         mean, accuracy = score_answers(texts, [p.answer for p in self.problems], self.cfg.rl.reward)
         ev = Evaluation(
             version=version,

@@ -53,7 +53,7 @@ class LiveBackend:
         return builder.configured_costs(cfg)
 
     def samples(self, cfg: Config):
-        from pivot_hpc.models.tokenizer import load_tokenizer
+        from pivot_hpc.models.prompting import load_prompter
         from pivot_hpc.runtime.live_samples import LiveSamples
 
         data = cfg.rl.data
@@ -69,9 +69,14 @@ class LiveBackend:
             columns = Columns(data.prompt_key, data.answer_key)
             self.pool, report = usable_problems(data.train, "rl.data.train", columns)
             print(f"pivot-hpc: {report.summary()}", flush=True)
-        tok = load_tokenizer(self.dirs[0])
+        # each model reads and writes with its own tokenizer, stop ids and chat template
         self.live_samples = LiveSamples(
-            self.pool, tok, cfg.rl, seed=data.synthetic_seed, tools=cfg.tools
+            self.pool,
+            load_prompter(self.dirs[0]),
+            cfg.rl,
+            seed=data.synthetic_seed,
+            tools=cfg.tools,
+            genrm_tok=load_prompter(self.dirs[1]),
         )
         return self.live_samples, self.live_samples.reward
 
@@ -145,7 +150,7 @@ class LiveHooks(Hooks):
             held_out = validation_problems(cfg, backend.pool)
             if held_out:
                 self.evaluator = Evaluator(
-                    cfg, backend.gps, backend.dirs[0], backend.live_samples.tok, held_out
+                    cfg, backend.gps, backend.dirs[0], backend.live_samples.policy, held_out
                 )
         self.started = time.monotonic()
 

@@ -19,7 +19,7 @@ from pivot_hpc.agentic.config import ToolsConfig
 from pivot_hpc.coordinator.rl_state import Sample
 from pivot_hpc.data.problem import Problem
 from pivot_hpc.engines.base import SamplingParams
-from pivot_hpc.models.tokenizer import decode_response, encode_prompt
+from pivot_hpc.models.prompting import prompter_of
 from pivot_hpc.rl.batch import TrainBatch, Trajectory, assemble
 from pivot_hpc.rl.config import RLConfig
 from pivot_hpc.rl.rewards import (
@@ -44,11 +44,20 @@ class LiveSamples(LiveTurns):
         cfg: RLConfig,
         seed: int = 0,
         tools: ToolsConfig | None = None,
+        *,
+        genrm_tok=None,
     ) -> None:
+        """`tok` / `genrm_tok`: the policy's and the GenRM's tokenizers, or their
+        Prompters (models/prompting.py: every stop id their configs name); without
+        `genrm_tok` the GenRM shares the policy's (the tiny job's two models do)."""
         if not problems:
             raise ValueError("no training problems: check rl.data.train")
         self.problems = problems
-        self.tok = tok
+        self.policy = prompter_of(tok, chat=cfg.data.apply_chat_template)
+        self.judge = prompter_of(
+            tok if genrm_tok is None else genrm_tok, chat=cfg.reward.genrm_chat_template
+        )
+        self.tok = self.policy.tok  # the policy's (the turn loop tokenizes with it)
         self.cfg = cfg
         self.order = list(range(len(problems)))
         random.Random(seed).shuffle(self.order)
@@ -56,23 +65,24 @@ class LiveSamples(LiveTurns):
         self.rollout_sampling = SamplingParams(
             temperature=cfg.grpo.temperature,
             max_tokens=cfg.max_response_tokens,
-            stop_token_ids=(tok.eos_token_id,),
+            stop_token_ids=self.policy.stop_ids,
         )
         self.judge_sampling = SamplingParams(
             temperature=cfg.reward.genrm_temperature,
             max_tokens=cfg.reward.genrm_max_tokens,
-            stop_token_ids=(tok.eos_token_id,),
+            stop_token_ids=self.judge.stop_ids,
         )
         self.setup_turns(tools)
 
     def make(self, sample_id: int, step: int, prompt_index: int, group: int) -> Sample:
         p = self.problems[self.order[prompt_index % len(self.order)]]
-        ids = encode_prompt(self.tok, p.prompt, p.messages)
+        ids = self.policy.encode(p.prompt, p.messages)
         payload = LivePayload(p, ids, traj=self.new_trajectory(sample_id, ids))
         return Sample(sample_id, step, prompt_index, group, len(ids), payload)
 
     def text(self, ids: list[int]) -> str:
-        return decode_response(self.tok, ids)
+        """The policy's ids as text (responses, turns)."""
+        return self.policy.decode(ids)
 
     def on_rollout(self, s: Sample, generated: int, result: Any) -> int:
         """Keep the response; build the GenRM prompt; return the reward context length."""
@@ -83,12 +93,12 @@ class LiveSamples(LiveTurns):
         p = pl.problem
         ref = p.answer if self.cfg.reward.genrm_reference else None
         text = genrm_prompt(p.question or p.prompt, self.text(result.token_ids), ref)
-        pl.judge_ids = encode_prompt(self.tok, text)
+        pl.judge_ids = self.judge.encode(text)  # the GenRM reads with its own tokenizer
         return len(pl.judge_ids)
 
     def reward(self, s: Sample, result: Any) -> tuple[float, float]:
         pl: LivePayload = s.payload
-        pl.judgement = self.text(result.token_ids)
+        pl.judgement = self.judge.decode(result.token_ids)
         rc = self.cfg.reward
         rv = verifiable_reward(self.text(self.answer_ids(pl)), pl.problem.answer, rc)
         (rg,) = genrm_rewards([pl.judgement], rc, self.genrm_stats)

@@ -1,11 +1,12 @@
 """Real architectures live (issue 46): `pivot-hpc run configs/tiny.yaml` with tiny
-random-init directories (recipes/tiny_arch_dirs.py, the tiny job's char tokenizer inside)
-as the trained policy and the GenRM: a Qwen3 policy judged by a GLM-4 GenRM, a Llama 3
-policy judged by a Qwen3-MoE GenRM, and a tied-embedding Qwen2 (Qwen2.5-0.5B/1.5B/3B's
-layout) judged by a Qwen3 GenRM. Every step runs, the policy is published at every step
-(no KeyError 'lm_head.weight'), and the tied run checkpoints, resumes and is exported
-(`pivot-hpc export`) as a tied model that transformers loads. Random weights
-need not learn: their judgements are unparsable, which the run counts."""
+random-init directories (recipes/tiny_arch_dirs.py) as the trained policy and the GenRM:
+a Qwen3 policy judged by a GLM-4 GenRM and a Llama 3 policy judged by a Qwen3-MoE GenRM,
+each pair with two different tokenizers and chat templates (recipes/tiny_tokenizers.py),
+and a tied-embedding Qwen2 (Qwen2.5-0.5B/1.5B/3B's layout, the tiny job's char tokenizer)
+judged by a Qwen3 GenRM. Every step runs, the policy is published at every step (no
+KeyError 'lm_head.weight'), and the tied run checkpoints, resumes and is exported
+(`pivot-hpc export`) as a tied model that transformers loads. Random weights need not
+learn: their judgements are unparsable, which the run counts."""
 
 from __future__ import annotations
 
@@ -40,17 +41,24 @@ def run(run_dir: Path, *overrides: str, steps: int = 3) -> subprocess.CompletedP
 
 
 @pytest.mark.parametrize(
-    ("policy_arch", "genrm_arch"), [("qwen3", "glm4"), ("llama3", "qwen3-moe")]
+    ("policy", "genrm"),
+    [(("qwen3", "chatml"), ("glm4", "llama3")), (("llama3", "llama3"), ("qwen3-moe", "chatml"))],
+    ids=["qwen3-glm4", "llama3-qwen3moe"],
 )
 def test_each_family_trains_beside_a_genrm_of_another_architecture(
-    tmp_path: Path, policy_arch: str, genrm_arch: str
+    tmp_path: Path, policy: tuple[str, str], genrm: tuple[str, str]
 ) -> None:
     # one live run covers two architectures: Qwen3 (q/k norms, no q/k/v bias) or Llama 3
     # (llama3 rope scaling) trained and published at every step, judged by GLM-4 (fused
-    # gate_up) or Qwen3-MoE; the Qwen3 GenRM runs in the tied test below
-    policy = build_arch_dir(policy_arch, tmp_path / "policy", dtype="bfloat16")
-    genrm = build_arch_dir(genrm_arch, tmp_path / "genrm", dtype="bfloat16")
-    models = [f"models.policy_path={policy}", f"models.genrm_path={genrm}"]
+    # gate_up) or Qwen3-MoE; the Qwen3 GenRM runs in the tied test below. Policy and GenRM
+    # have different tokenizers (ChatML without a BOS, Llama 3's with its BOS and end ids,
+    # recipes/tiny_tokenizers.py), each with its chat template: each role reads and writes
+    # in its own vocabulary
+    dirs = {
+        role: build_arch_dir(arch, tmp_path / role, dtype="bfloat16", tokenizer=tokenizer)
+        for role, (arch, tokenizer) in (("policy", policy), ("genrm", genrm))
+    }
+    models = [f"models.policy_path={dirs['policy']}", f"models.genrm_path={dirs['genrm']}"]
     out = run(tmp_path / "run", *models, steps=2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "pivot-hpc: done: 2 steps" in out.stdout and "GenRM unparsable" in out.stdout
