@@ -88,11 +88,10 @@ class WeightMap:
 
     def __init__(self, model, checkpoint_names: Iterable[str] | None = None) -> None:
         self.model = model
-        params = dict(model.named_parameters())
         converters = _converters(model.config.model_type)
         names = set(checkpoint_names) if checkpoint_names is not None else None
         self.sources: dict[str, _Source] = {}
-        for pname in params:
+        for pname in _filled(model, names):
             self.sources[pname] = _source_of(pname, converters, names)
         self.expected = frozenset(n for s in self.sources.values() for g in s.names for n in g)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -118,7 +117,7 @@ class WeightMap:
 
     @torch.no_grad()
     def fill(self, get: Callable[[str], torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
+        params = _filled(self.model, None)
         for pname, src in self.sources.items():
             p = params[pname]
             t = _assemble(src, get)
@@ -129,6 +128,18 @@ class WeightMap:
                     "and safetensors must come from the same model"
                 )
             p.copy_(t.to(p.dtype))
+
+
+def _filled(model, names: set[str] | None) -> dict[str, torch.Tensor]:
+    """What a checkpoint fills: every parameter, and the persistent buffers a checkpoint
+    holds (GLM-4.5's and DeepSeek-V3's router `e_score_correction_bias`); a persistent
+    buffer the checkpoint lacks keeps the value the model was built with."""
+    out = dict(model.named_parameters())
+    persistent = set(model.state_dict(keep_vars=True))
+    for bname, buf in model.named_buffers():
+        if bname in persistent and bname not in out and (names is None or bname in names):
+            out[bname] = buf
+    return out
 
 
 def load_weights_from_dir(model, model_dir: str | Path) -> WeightMap:

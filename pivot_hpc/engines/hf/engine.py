@@ -59,6 +59,28 @@ class UnsupportedModelError(PivotError, ValueError):
     """A model the hf engine's own attention loop cannot run."""
 
 
+# norms a decoder layer may have: the engine applies exactly these (GLM-4's sandwich norms
+# after attention and MLP included); any other norm would be skipped silently
+LAYER_NORMS = frozenset(
+    {
+        "input_layernorm",
+        "post_attention_layernorm",
+        "post_self_attn_layernorm",
+        "post_mlp_layernorm",
+    }
+)
+# config keys of models that scale embeddings, residual branches or logits by a constant
+# (Granite, Cohere, MiniCPM): the engine's loop adds and projects without them
+SCALE_KEYS = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "logits_scaling",
+    "logit_scale",
+    "scale_emb",
+    "scale_depth",
+)
+
+
 def unsupported(model, max_len: int | None = None) -> str | None:
     """Why the hf engine cannot run `model` (None: it can). Checked on the built model:
     the loop calls the model's own modules, so what it needs is their names."""
@@ -83,11 +105,42 @@ def unsupported(model, max_len: int | None = None) -> str | None:
             return "its attention has neither q/k/v_proj nor a fused qkv_proj"
         if not hasattr(sys.modules[type(a).__module__], "apply_rotary_pos_emb"):
             return "its attention module defines no apply_rotary_pos_emb"
+        why = _norms_problem(c, layer, a)
+        if why is not None:
+            return why
+    scaled = {k: getattr(c, k) for k in SCALE_KEYS if getattr(c, k, None) not in (None, 1, 1.0)}
+    if scaled:
+        return f"it scales its embeddings, residuals or logits ({scaled})"
     window = getattr(c, "sliding_window", None)
     if window and getattr(c, "use_sliding_window", True) and window < (max_len or 0):
         return f"it attends through a sliding window of {window} < max_seq_len {max_len}"
     if getattr(c, "attn_logit_softcapping", None) or getattr(c, "final_logit_softcapping", None):
         return "it soft-caps logits"
+    return None
+
+
+def _norms(module) -> set[str]:
+    return {n for n, m in module.named_children() if "norm" in type(m).__name__.lower()}
+
+
+def _norms_problem(c, layer, attn) -> str | None:
+    """A layer's norms are ones the engine's loop applies, where it applies them."""
+    norms = _norms(layer)
+    if not {"input_layernorm", "post_attention_layernorm"} <= norms:
+        return (
+            "its decoder layers are not pre-norm blocks (input_layernorm before attention, "
+            "post_attention_layernorm before the MLP)"
+        )
+    if norms - LAYER_NORMS:
+        return f"its decoder layers have norms the engine does not apply: {sorted(norms - LAYER_NORMS)}"
+    extra = _norms(attn) - {"q_norm", "k_norm"}
+    if extra:
+        return f"its attention has norms the engine does not apply: {sorted(extra)}"
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    for name in ("q_norm", "k_norm"):
+        w = getattr(getattr(attn, name, None), "weight", None)
+        if w is not None and w.shape[-1] != head_dim:  # OLMoE's span every head at once
+            return f"its attention's {name} spans {w.shape[-1]} features, not one head's {head_dim}"
     return None
 
 
@@ -434,16 +487,32 @@ class HFEngine(InRank):
                     w, bias = a.qkv_proj.weight.detach(), a.qkv_proj.bias
                     bias = None if bias is None else bias.detach()
                 else:
-                    w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+                    projs = (a.q_proj, a.k_proj, a.v_proj)
+                    w = torch.cat([p.weight for p in projs]).detach()
                     bias = None
-                    if a.q_proj.bias is not None:
-                        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+                    if any(p.bias is not None for p in projs):  # Qwen2: all three; others one
+                        bias = torch.cat(
+                            [
+                                p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                                for p in projs
+                            ]
+                        ).detach()
                 gu = None
-                if self._silu and hasattr(m, "down_proj") and isinstance(m.down_proj, nn.Linear):
-                    if hasattr(m, "gate_up_proj"):  # fused already (GLM-4, Phi-3)
-                        gu = m.gate_up_proj.weight.detach()
-                    elif hasattr(m, "gate_proj") and hasattr(m, "up_proj"):
-                        gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
+                # fused only without biases (Llama's mlp_bias, InternLM): a biased MLP runs
+                # as the model's own module, biases included
+                down = getattr(m, "down_proj", None)
+                if self._silu and isinstance(down, nn.Linear) and down.bias is None:
+                    fused = getattr(m, "gate_up_proj", None)  # fused already (GLM-4, Phi-3)
+                    gate, up = getattr(m, "gate_proj", None), getattr(m, "up_proj", None)
+                    if isinstance(fused, nn.Linear) and fused.bias is None:
+                        gu = fused.weight.detach()
+                    elif (
+                        isinstance(gate, nn.Linear)
+                        and isinstance(up, nn.Linear)
+                        and gate.bias is None
+                        and up.bias is None
+                    ):
+                        gu = torch.cat([gate.weight, up.weight]).detach()
                 self._fused.append((w, bias, gu))
         return self._fused
 
@@ -463,7 +532,15 @@ class HFEngine(InRank):
             q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = self._rope[li](q, k, cos, sin)
+        rot = cos.shape[-1]
+        if not getattr(a, "use_rope", True):  # SmolLM3's NoPE layers: no rotation at all
+            pass
+        elif rot < self.head_dim:  # partial rotary (StableLM): the first `rot` dims turn
+            qr, kr = self._rope[li](q[..., :rot], k[..., :rot], cos, sin)
+            q = torch.cat([qr, q[..., rot:]], dim=-1)
+            k = torch.cat([kr, k[..., rot:]], dim=-1)
+        else:
+            q, k = self._rope[li](q, k, cos, sin)
         return q, k, v
 
     def _attn_out(self, li: int, layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
