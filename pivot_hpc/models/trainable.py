@@ -1,7 +1,7 @@
 """What the Megatron trainer trains: the dense decoders its conversion maps
 (engines/megatron/convert.py), and the `ModelConfig` of a directory's config.json.
 
-Qwen2/Qwen2.5 (tied or not), Qwen3 dense and Llama 3 share one layout — RMSNorm, rotary
+Qwen2/Qwen2.5 (tied or not), Qwen3 dense, Llama 3 and Mistral share one layout — RMSNorm, rotary
 GQA attention, SwiGLU — and differ in flags a `ModelConfig` carries: q/k/v biases, per-head
 q/k norms, head width, llama3 rope scaling. Anything else in a config (a sliding window, an
 MLP bias, another rope type, another activation) is refused by name here, before launch
@@ -18,7 +18,12 @@ from pivot_hpc.errors import PivotError
 from pivot_hpc.models.config import ModelConfig
 
 # model_type → the families it stands for (what role_check's refusal lists)
-TRAINABLE = {"qwen2": "Qwen2/Qwen2.5", "qwen3": "Qwen3 (dense)", "llama": "Llama 3"}
+TRAINABLE = {
+    "qwen2": "Qwen2/Qwen2.5",
+    "qwen3": "Qwen3 (dense)",
+    "llama": "Llama 3",
+    "mistral": "Mistral (no sliding window)",  # Llama's layout under another model_type
+}
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -43,6 +48,9 @@ def training_problem(c: Any) -> str | None:
         return f"rope_type {rope_type!r}: the trainer applies {', '.join(ROPE_TYPES)} only"
     if getattr(c, "use_sliding_window", False):
         return "use_sliding_window is true: the trainer attends to the whole sequence"
+    window = getattr(c, "sliding_window", None)  # Mistral's: no use_sliding_window switch
+    if kind == "mistral" and window and window < c.max_position_embeddings:
+        return f"sliding_window {window}: the trainer attends to the whole sequence"
     if getattr(c, "mlp_bias", False):
         return "mlp_bias is true: the trainer's MLP has no bias"
     act = getattr(c, "hidden_act", "silu")

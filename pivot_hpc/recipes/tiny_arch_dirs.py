@@ -12,6 +12,7 @@ for the paper's models in tests, benchmarks and `plan` checks:
     qwen2-tied   Qwen2ForCausalLM, tie_word_embeddings        Qwen2.5-0.5B/1.5B/3B
     qwen3        Qwen3ForCausalLM (q/k norms, no qkv bias)    Qwen3-8B/32B
     llama3       LlamaForCausalLM with llama3 rope scaling    Llama 3.x
+    mistral      MistralForCausalLM, no sliding window        Mistral Small/Nemo, Ministral
     qwen3-moe    Qwen3MoeForCausalLM (4 experts, top 2)       Qwen3-30B-A3B
     glm4         Glm4ForCausalLM (fused gate_up_proj)         GLM-Z1-9B, GLM-4-9B
     phi3         Phi3ForCausalLM (fused qkv_proj, gate_up_proj)  Phi-3 / Phi-4-mini
@@ -89,6 +90,10 @@ def _model(arch: str, overrides: dict[str, Any]):
                 },
             ),
         ),
+        "mistral": lambda: (
+            tf.MistralForCausalLM,
+            tf.MistralConfig(**{"sliding_window": None, **base}),
+        ),
         "qwen3-moe": lambda: (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(**base, **MOE)),
         "glm4": lambda: (tf.Glm4ForCausalLM, tf.Glm4Config(**base)),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(**base)),
@@ -124,6 +129,7 @@ ARCHITECTURES = (
     "qwen2-tied",
     "qwen3",
     "llama3",
+    "mistral",
     "qwen3-moe",
     "glm4",
     "phi3",

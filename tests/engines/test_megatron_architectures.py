@@ -1,6 +1,6 @@
 """The trainer trains the dense families users train (issue 46 #4): tiny random-init
 directories of Qwen2 tied, Qwen3 (q/k norms, no q/k/v bias, head_dim ≠ hidden/heads) and
-Llama 3 (llama3 rope scaling with its own parameters) — megatron-core's forward after
+Llama 3 (llama3 rope scaling with its own parameters), Mistral — megatron-core's forward after
 conversion equals `transformers`' on the same weights, a GRPO step trains, and the weights
 it exports load back into `transformers` with equal logits. The trainer's shape comes from
 config.json alone (models/trainable.py). The real engine, in this process (tp 1)."""
@@ -16,7 +16,7 @@ from pivot_hpc.models.trainable import model_config_of_dir
 from pivot_hpc.recipes.tiny_arch_dirs import build_arch_dir
 from pivot_hpc.rl.config import TrainerConfig
 
-TRAINED = ["qwen2-tied", "qwen3", "llama3"]
+TRAINED = ["qwen2-tied", "qwen3", "llama3", "mistral"]
 
 
 def _hf(d):
@@ -81,6 +81,7 @@ def test_the_shape_comes_from_config_json(tmp_path) -> None:
         ("llama3", {"mlp_bias": True}, "mlp_bias"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
         ("llama3", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("mistral", {"sliding_window": 64}, "sliding_window 64"),
     ],
 )
 def test_what_the_trainer_cannot_train_is_refused_by_name(tmp_path, arch, override, says):

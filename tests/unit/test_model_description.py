@@ -64,6 +64,7 @@ FACTS = {
     "qwen2-tied": (8, 4, 16, 128, 0, 0, None, True, False),
     "qwen3": (8, 4, 16, 128, 0, 0, None, False, True),
     "llama3": (8, 4, 16, 128, 0, 0, None, False, True),
+    "mistral": (8, 4, 16, 128, 0, 0, None, False, True),
     "qwen3-moe": (8, 4, 16, 128, 4, 2, 32, False, True),
     "glm4": (8, 4, 16, 128, 0, 0, None, False, True),
     "phi3": (8, 4, 16, 128, 0, 0, None, False, True),
