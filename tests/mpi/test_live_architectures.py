@@ -1,9 +1,9 @@
 """Real architectures live (issue 46): `pivot-hpc run configs/tiny.yaml` with tiny
 random-init directories (recipes/tiny_arch_dirs.py) as the trained policy and the GenRM:
-a Qwen3 policy judged by a GLM-4 GenRM and a Llama 3 policy judged by a Qwen3-MoE GenRM,
+a Qwen3 policy judged by a Qwen3-MoE GenRM and a Llama 3 policy judged by a Qwen3 GenRM,
 each pair with two different tokenizers and chat templates (recipes/tiny_tokenizers.py),
-and a tied-embedding Qwen2 (Qwen2.5-0.5B/1.5B/3B's layout, the tiny job's char tokenizer)
-judged by a Qwen3 GenRM. Every step runs, the policy is published at every step (no
+and group 1's pair: a tied-embedding Qwen2 (Qwen2.5-0.5B/1.5B/3B's layout) judged by a
+GLM-4 GenRM (GLM-Z1-9B's). Every step runs, the policy is published at every step (no
 KeyError 'lm_head.weight'), and the tied run checkpoints, resumes and is exported
 (`pivot-hpc export`) as a tied model that transformers loads. Random weights need not
 learn: their judgements are unparsable, which the run counts."""
@@ -42,15 +42,15 @@ def run(run_dir: Path, *overrides: str, steps: int = 3) -> subprocess.CompletedP
 
 @pytest.mark.parametrize(
     ("policy", "genrm"),
-    [(("qwen3", "chatml"), ("glm4", "llama3")), (("llama3", "llama3"), ("qwen3-moe", "chatml"))],
-    ids=["qwen3-glm4", "llama3-qwen3moe"],
+    [(("qwen3", "chatml"), ("qwen3-moe", "llama3")), (("llama3", "llama3"), ("qwen3", "chatml"))],
+    ids=["qwen3-qwen3moe", "llama3-qwen3"],
 )
 def test_each_family_trains_beside_a_genrm_of_another_architecture(
     tmp_path: Path, policy: tuple[str, str], genrm: tuple[str, str]
 ) -> None:
     # one live run covers two architectures: Qwen3 (q/k norms, no q/k/v bias) or Llama 3
-    # (llama3 rope scaling) trained and published at every step, judged by GLM-4 (fused
-    # gate_up) or Qwen3-MoE; the Qwen3 GenRM runs in the tied test below. Policy and GenRM
+    # (llama3 rope scaling) trained and published at every step, judged by Qwen3-MoE (the
+    # paper's group 2 and 3 GenRM) or Qwen3; GLM-4 judges in the tied test below. Policy and GenRM
     # have different tokenizers (ChatML without a BOS, Llama 3's with its BOS and end ids,
     # recipes/tiny_tokenizers.py), each with its chat template: each role reads and writes
     # in its own vocabulary
@@ -67,7 +67,7 @@ def test_each_family_trains_beside_a_genrm_of_another_architecture(
 
 def test_tied_policy_trains_publishes_and_resumes(tmp_path: Path) -> None:
     policy = build_arch_dir("qwen2-tied", tmp_path / "policy", dtype="bfloat16")
-    genrm = build_arch_dir("qwen3", tmp_path / "genrm", dtype="bfloat16")
+    genrm = build_arch_dir("glm4", tmp_path / "genrm", dtype="bfloat16")  # group 1's pair
     models = [f"models.policy_path={policy}", f"models.genrm_path={genrm}"]
     first = run(tmp_path / "run", *models)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
