@@ -2,7 +2,9 @@
 built with `transformers`' Auto classes from each directory's config, weights by
 checkpoint name; its logprobs of a generated sequence equal a plain `transformers`
 forward of the same directory, and weights handed over under the checkpoint's names (as
-GPS holds them: a MoE's experts one by one, a tied head absent) load in place."""
+GPS holds them: a MoE's experts one by one, a tied head absent, a multimodal checkpoint's
+decoder under model.language_model.) load in place. Qwen3.5's hybrid layers keep their
+linear-attention states per sequence (engines/hf/linear_attention.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,17 @@ from pivot_hpc.models.hf_load import ModelBuildError, build_model
 from pivot_hpc.models.weights import TensorReader
 from pivot_hpc.recipes.tiny_arch_dirs import build_arch_dir, create_arch_model
 
-RUNS = ("qwen2", "qwen2-tied", "qwen3", "llama3", "glm4", "qwen3-moe", "phi3")
+RUNS = (
+    "qwen2",
+    "qwen2-tied",
+    "qwen3",
+    "llama3",
+    "glm4",
+    "qwen3-moe",
+    "phi3",
+    "qwen3.5-moe",  # Gated DeltaNet linear attention beside gated full attention
+    "qwen3.5-moe-vl",  # the same decoder under model.language_model., a vision tower beside
+)
 N = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
 PROMPTS = [[1, 20, 21, 22, 30], [1, 40, 41], [1, 50, 60, 70, 80, 90, 33]]
@@ -26,7 +38,7 @@ PROMPTS = [[1, 20, 21, 22, 30], [1, 40, 41], [1, 50, 60, 70, 80, 90, 33]]
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_archs")
-    return {a: build_arch_dir(a, root / a, seed=5) for a in (*RUNS, "qwen3.5-moe")}
+    return {a: build_arch_dir(a, root / a, seed=5) for a in RUNS}
 
 
 def _forward_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -39,7 +51,9 @@ def _forward_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tens
 @pytest.mark.parametrize("arch", RUNS)
 def test_logprobs_equal_a_transformers_forward(dirs, arch):
     engine = make_hf_engine(str(dirs[arch]), kv_capacity_tokens=4096)
-    assert type(engine.model).__name__ == type(create_arch_model(arch)).__name__
+    # the causal LM of the text decoder (of a multimodal checkpoint's too)
+    want = type(create_arch_model(arch)).__name__.replace("ForConditionalGeneration", "ForCausalLM")
+    assert type(engine.model).__name__ == want
     reference = create_arch_model(arch, seed=5)  # the directory's own weights
     res = generate_all(engine, PROMPTS, GREEDY)
     worst = 0.0
@@ -50,7 +64,7 @@ def test_logprobs_equal_a_transformers_forward(dirs, arch):
     assert len({tuple(r.token_ids) for r in res}) > 1  # not degenerate
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-tied", "glm4"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-tied", "glm4", "qwen3.5-moe-vl"])
 def test_weights_by_checkpoint_name_load_in_place(dirs, arch):
     """GPS hands the engine the directory's tensors under their own names."""
     engine = make_hf_engine(str(dirs[arch]))
@@ -73,9 +87,56 @@ def test_weights_by_checkpoint_name_load_in_place(dirs, arch):
         engine.load_weights(tensors, version=4)
 
 
-def test_linear_attention_hybrid_is_refused_in_one_line(dirs):
-    with pytest.raises(UnsupportedModelError, match="linear_attention.*vllm or sglang"):
-        make_hf_engine(str(dirs["qwen3.5-moe"]))
+def test_a_hybrid_models_states_follow_their_sequences(dirs):
+    """More sequences than slots, ending at different lengths: slots are reused and
+    compacted, each linear-attention state moving with its sequence; every sequence gets
+    the tokens and logprobs it gets alone."""
+    d = str(dirs["qwen3.5-moe"])
+    cases = [([1, 20 + i, 21, 22 + 2 * i][: 2 + i % 3], 3 + 2 * i) for i in range(7)]
+
+    def sampling(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    alone = [generate_all(make_hf_engine(d), [p], sampling(n))[0] for p, n in cases]
+    engine = make_hf_engine(d, max_batch=3)
+    for i, (p, n) in enumerate(cases):
+        engine.add(i, p, sampling=sampling(n))
+    out = {}
+    while engine.has_unfinished():
+        for r in engine.step():
+            out[r.seq_id] = r
+    for i, r in enumerate(alone):
+        assert out[i].token_ids == r.token_ids
+        assert out[i].logprobs == pytest.approx(r.logprobs, abs=1e-5)
+
+
+def test_a_linear_attention_it_does_not_know_is_refused_in_one_line(tmp_path):
+    import transformers as tf
+
+    from pivot_hpc.models.tokenizer import build_tokenizer
+
+    config = tf.Qwen3NextConfig(
+        vocab_size=128,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        linear_num_key_heads=4,
+        linear_key_head_dim=16,
+        linear_num_value_heads=4,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    tf.Qwen3NextForCausalLM(config).save_pretrained(tmp_path)  # in_proj_qkvz: fused
+    build_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="in_proj_qkv.*vllm or sglang"):
+        make_hf_engine(str(tmp_path))
 
 
 def test_unknown_model_type_is_one_line(tmp_path):

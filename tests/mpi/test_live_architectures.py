@@ -1,6 +1,6 @@
 """Real architectures live (issue 46): `pivot-hpc run configs/tiny.yaml` with tiny
 random-init directories (recipes/tiny_arch_dirs.py) as the trained policy and the GenRM:
-a Qwen3 policy judged by a Qwen3-MoE GenRM and a Llama 3 policy judged by a Qwen3 GenRM,
+a Qwen3 policy judged by a Qwen3-MoE GenRM and a Llama 3 policy judged by a Qwen3.5-MoE,
 each pair with two different tokenizers and chat templates (recipes/tiny_tokenizers.py),
 and group 1's pair: a tied-embedding Qwen2 (Qwen2.5-0.5B/1.5B/3B's layout) judged by a
 GLM-4 GenRM (GLM-Z1-9B's). Every step runs, the policy is published at every step (no
@@ -42,15 +42,20 @@ def run(run_dir: Path, *overrides: str, steps: int = 3) -> subprocess.CompletedP
 
 @pytest.mark.parametrize(
     ("policy", "genrm"),
-    [(("qwen3", "chatml"), ("qwen3-moe", "llama3")), (("llama3", "llama3"), ("qwen3", "chatml"))],
-    ids=["qwen3-qwen3moe", "llama3-qwen3"],
+    [
+        (("qwen3", "chatml"), ("qwen3-moe", "llama3")),
+        (("llama3", "llama3"), ("qwen3.5-moe-vl", "chatml")),
+    ],
+    ids=["qwen3-qwen3moe", "llama3-qwen3.5moe"],
 )
 def test_each_family_trains_beside_a_genrm_of_another_architecture(
     tmp_path: Path, policy: tuple[str, str], genrm: tuple[str, str]
 ) -> None:
     # one live run covers two architectures: Qwen3 (q/k norms, no q/k/v bias) or Llama 3
     # (llama3 rope scaling) trained and published at every step, judged by Qwen3-MoE (the
-    # paper's group 2 and 3 GenRM) or Qwen3; GLM-4 judges in the tied test below. Policy and GenRM
+    # paper's group 2 and 3 GenRM) or Qwen3.5-MoE as Qwen3.5-122B-A10B ships (group 4's:
+    # Gated DeltaNet layers, its decoder under model.language_model., a vision tower
+    # beside); GLM-4 judges in the tied test below. Policy and GenRM
     # have different tokenizers (ChatML without a BOS, Llama 3's with its BOS and end ids,
     # recipes/tiny_tokenizers.py), each with its chat template: each role reads and writes
     # in its own vocabulary

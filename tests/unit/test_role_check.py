@@ -28,14 +28,31 @@ def test_trainable_policies_pass(arch_dirs, arch):
     check_model_dirs(_cfg(f"models.policy_path={arch_dirs[arch]}"))
 
 
-def test_linear_attention_genrm_on_hf_is_refused(arch_dirs):
-    d = arch_dirs["qwen3.5-moe"]
+@pytest.mark.parametrize("arch", ["qwen3.5-moe", "qwen3.5-moe-vl"])
+def test_a_hybrid_genrm_runs_on_hf(arch_dirs, arch):
+    # Qwen3.5's Gated DeltaNet layers (engines/hf/linear_attention.py), as shipped too
+    check_model_dirs(_cfg(f"models.genrm_path={arch_dirs[arch]}"))
+
+
+def test_a_genrm_the_hf_engine_cannot_run_is_refused(arch_dirs, tmp_path):
+    d = _sliding_window_dir(arch_dirs, tmp_path)
     with pytest.raises(ConfigError) as e:
         check_model_dirs(_cfg(f"models.genrm_path={d}"))
     msg = str(e.value)
     assert "models.genrm_path" in msg and str(d) in msg and "\n" not in msg
-    assert "engines.reward.engine=hf" in msg and "linear_attention" in msg
+    assert "engines.reward.engine=hf" in msg and "sliding window" in msg
     assert "set engines.reward.engine to vllm or sglang" in msg
+
+
+def _sliding_window_dir(arch_dirs, tmp_path) -> Path:
+    """A Qwen2 that attends through a 64-token window (shorter than the tiny context)."""
+    import json
+
+    d = Path(shutil.copytree(arch_dirs["qwen2"], tmp_path / "windowed"))
+    config = json.loads((d / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
 
 
 def test_untrainable_policy_is_refused(arch_dirs):
@@ -81,8 +98,8 @@ def test_cli_exits_2_with_one_line(arch_dirs, tmp_path, capsys):
             "configs/tiny.yaml",
             "--run-dir",
             str(tmp_path / "run"),
-            f"models.genrm_path={arch_dirs['qwen3.5-moe']}",
+            f"models.genrm_path={_sliding_window_dir(arch_dirs, tmp_path)}",
         ]
     )
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "linear_attention" in err[0], err
+    assert rc == 2 and len(err) == 1 and "sliding window" in err[0], err

@@ -4,10 +4,12 @@ The model is whatever `transformers` builds from the directory's config (Auto cl
 models/hf_load.py): Qwen2, Qwen3 (q/k norms), Llama (rope scaling lives in the model's
 rotary module), GLM-4 (extra post-attention and post-MLP norms, partial rotary), MoE
 decoders such as Qwen3-MoE (the layer's own MLP module is called), fused qkv or gate_up
-projections. Weights arrive under their checkpoint (GPS) names and are mapped onto the
-model's parameters by `WeightMap`. A decoder whose layers are not softmax attention plus
-an MLP (linear-attention hybrids), or that attends through a sliding window shorter than
-the engine's context, is refused in one line (`unsupported`).
+projections, Qwen3.5's hybrid of gated full attention and Gated DeltaNet linear attention
+(per-sequence states: linear_attention.py). Weights arrive under their checkpoint (GPS)
+names and are mapped onto the model's parameters by `WeightMap`. A decoder the loop would
+compute differently from `transformers` (other layer kinds, norms it does not apply,
+scaled residuals or logits, a sliding window shorter than the engine's context) is
+refused in one line (`unsupported`).
 
 CPU is its home (the embedded default); on a GPU the same loop runs where the model is
 (`engines.<role>.device`): the KV cache and every index tensor are created on the model's
@@ -29,6 +31,8 @@ projections, rotary embedding, MLP, LM head) but owns the KV cache:
   padding mask; the first new token comes from the last real position.
 - Decode: one token per running sequence; GQA is computed by grouping query heads per KV
   head (exact, no K/V repeat).
+- Hybrid models (linear-attention layers) prefill one sequence per chunk: a recurrent
+  state is exact only without padding after the sequence's end.
 - Abort returns the generated tokens and logprobs; `add(..., generated_ids=...)` resumes
   by re-prefilling prompt + generated tokens.
 """
@@ -52,6 +56,7 @@ from pivot_hpc.engines.base import (
     Tensors,
     check_new_sequence,
 )
+from pivot_hpc.engines.hf import linear_attention
 from pivot_hpc.errors import PivotError
 
 
@@ -93,9 +98,20 @@ def unsupported(model, max_len: int | None = None) -> str | None:
     if not hasattr(model, "lm_head"):
         return "it has no lm_head"
     kinds = set(getattr(c, "layer_types", None) or ["full_attention"])
-    if kinds - {"full_attention"}:
-        return f"its layers include {sorted(kinds - {'full_attention'})} (only full attention)"
+    if kinds - {"full_attention", "linear_attention"}:
+        others = sorted(kinds - {"full_attention", "linear_attention"})
+        return f"its layers include {others} (only full and Gated DeltaNet linear attention)"
     for layer in inner.layers:
+        if getattr(layer, "linear_attn", None) is not None:  # Qwen3.5's Gated DeltaNet
+            why = linear_attention.problem(layer.linear_attn)
+            if why is not None:
+                return why
+            if _norms(layer) - LAYER_NORMS or not {
+                "input_layernorm",
+                "post_attention_layernorm",
+            } <= _norms(layer):
+                return "its linear-attention layers are not pre-norm blocks"
+            continue
         a = getattr(layer, "self_attn", None)
         if a is None or not hasattr(a, "o_proj"):
             return "a decoder layer has no self_attn.o_proj"
@@ -229,13 +245,27 @@ class HFEngine(InRank):
         self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
         # per layer, the model's own rotary application (GLM-4's is partial and
         # interleaved, Qwen2/Llama/Qwen3's is not) and its attention's score scale
+        attns = [getattr(layer, "self_attn", None) for layer in self._layers]
         self._rope = [
-            sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
-            for layer in self._layers
+            None if a is None else sys.modules[type(a).__module__].apply_rotary_pos_emb
+            for a in attns
         ]
-        self._scale = [
-            getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in self._layers
+        self._scale = [getattr(a, "scaling", self.head_dim**-0.5) for a in attns]
+        # gated attention (Qwen3.5): q_proj also yields a per-channel output gate
+        self._gated = [
+            a is not None
+            and hasattr(a, "q_proj")
+            and a.q_proj.out_features == 2 * self.n_heads * self.head_dim
+            for a in attns
         ]
+        self._gate: torch.Tensor | None = None  # the current layer's gate, for _attn_out
+        # linear-attention layers (Qwen3.5's Gated DeltaNet): their states per KV slot
+        linear = {
+            i: layer.linear_attn
+            for i, layer in enumerate(self._layers)
+            if getattr(layer, "linear_attn", None) is not None
+        }
+        self._linear = linear_attention.LinearStates(linear, self.device) if linear else None
         # the fused SiLU-gated MLP of dense layers; any other MLP (MoE) runs as its module
         self._silu = getattr(c, "hidden_act", "silu") == "silu"
 
@@ -339,6 +369,8 @@ class HFEngine(InRank):
         self._k = self._v = None
         self._fused = None
         self._slots = 0
+        if self._linear is not None:
+            self._linear.reset()
         self._empty_cache()
 
     def _empty_cache(self) -> None:
@@ -381,6 +413,8 @@ class HFEngine(InRank):
         self._k = self._v = None
         self._fused = None
         self._slots = 0
+        if self._linear is not None:
+            self._linear.reset()
         if weights and self._weight_shapes is None:
             self._weight_shapes = {}
             for name, p in self.model.named_parameters():
@@ -404,10 +438,16 @@ class HFEngine(InRank):
         if self._k is not None and self._slots >= n:
             return
         new = min(self.max_batch, max(n, 2 * self._slots, 8))
-        shape = (new, self.n_kv, self.max_len, self.head_dim)
         dev = self.device
-        ks = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self.n_layers)]
-        vs = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self.n_layers)]
+        # a linear-attention layer keeps no K/V (its states: linear_attention.py)
+        shapes = [
+            (new, self.n_kv, 0 if rope is None else self.max_len, self.head_dim)
+            for rope in self._rope
+        ]
+        ks = [torch.zeros(shape, dtype=self.dtype, device=dev) for shape in shapes]
+        vs = [torch.zeros(shape, dtype=self.dtype, device=dev) for shape in shapes]
+        if self._linear is not None:
+            self._linear.ensure(new)
         if self._k is not None:
             for i in range(self.n_layers):
                 ks[i][: self._slots] = self._k[i]
@@ -424,6 +464,8 @@ class HFEngine(InRank):
             for k, v in zip(self._k, self._v, strict=True):
                 k[i, :, :n] = k[last, :, :n]
                 v[i, :, :n] = v[last, :, :n]
+            if self._linear is not None:
+                self._linear.move(i, last)
             self.running[i] = moved
         self.running.pop()
         self._by_id.pop(s.seq_id, None)
@@ -482,8 +524,10 @@ class HFEngine(InRank):
         if self._fused is None:
             self._fused = []
             for layer in self._layers:
-                a, m = layer.self_attn, layer.mlp
-                if hasattr(a, "qkv_proj"):  # fused already (Phi-3)
+                a, m = getattr(layer, "self_attn", None), layer.mlp
+                if a is None:  # a linear-attention layer (its own module computes it)
+                    w = bias = None
+                elif hasattr(a, "qkv_proj"):  # fused already (Phi-3)
                     w, bias = a.qkv_proj.weight.detach(), a.qkv_proj.bias
                     bias = None if bias is None else bias.detach()
                 else:
@@ -525,8 +569,13 @@ class HFEngine(InRank):
         b, s, _ = h.shape
         qkv = F.linear(h, w, bias)
         nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        q, k, v = qkv.split([nq, nk, nk], dim=-1)
-        q = q.view(b, s, self.n_heads, self.head_dim)
+        gated = self._gated[li]
+        q, k, v = qkv.split([nq * (2 if gated else 1), nk, nk], dim=-1)
+        self._gate = None
+        if gated:  # per head [q (head_dim); gate (head_dim)], as the module splits it
+            q, gate = q.view(b, s, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            self._gate = gate.reshape(b, s, -1)
+        q = q.reshape(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv, self.head_dim)
         if getattr(a, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
             q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
@@ -544,6 +593,8 @@ class HFEngine(InRank):
         return q, k, v
 
     def _attn_out(self, li: int, layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        if self._gate is not None:
+            o = o * torch.sigmoid(self._gate)
         o = layer.self_attn.o_proj(o)
         post = getattr(layer, "post_self_attn_layernorm", None)  # GLM-4's sandwich norm
         return x + (o if post is None else _norm(post, o))
@@ -568,7 +619,13 @@ class HFEngine(InRank):
         longest = 0
         for s in seqs:
             n = len(s.prompt) + len(s.out)
-            if chunk and max(longest, n) * (len(chunk) + 1) > self.prefill_chunk_tokens:
+            # a hybrid model prefills one sequence at a time: a linear-attention state
+            # is exact only without padding after the sequence's end
+            full = (
+                self._linear is not None
+                or max(longest, n) * (len(chunk) + 1) > self.prefill_chunk_tokens
+            )
+            if chunk and full:
                 self._prefill_chunk(chunk)
                 chunk, longest = [], 0
             chunk.append(s)
@@ -598,7 +655,12 @@ class HFEngine(InRank):
             :, None, None, :
         ]
         for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(li, self._norm_in(li, layer, x), cos, sin)
+            h = self._norm_in(li, layer, x)
+            if self._rope[li] is None:  # linear attention: b == 1 (see _prefill)
+                x = x + self._linear.prefill(li, h, first)
+                x = x + self._mlp(li, layer, x)
+                continue
+            q, k, v = self._attn_qkv(li, h, cos, sin)
             self._k[li][first : first + b, :, :L] = k
             self._v[li][first : first + b, :, :L] = v
             o = F.scaled_dot_product_attention(
@@ -628,7 +690,12 @@ class HFEngine(InRank):
         mask = (torch.arange(L, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
         g = self.n_heads // self.n_kv
         for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(li, self._norm_in(li, layer, x), cos, sin)
+            h = self._norm_in(li, layer, x)
+            if self._rope[li] is None:  # linear attention: one step of its recurrence
+                x = x + self._linear.decode(li, h)
+                x = x + self._mlp(li, layer, x)
+                continue
+            q, k, v = self._attn_qkv(li, h, cos, sin)
             K, V = self._k[li], self._v[li]
             K[ar, :, pos] = k[:, :, 0]
             V[ar, :, pos] = v[:, :, 0]
