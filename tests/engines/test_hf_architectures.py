@@ -17,7 +17,7 @@ from pivot_hpc.engines.base import SamplingParams
 from pivot_hpc.engines.hf.engine import UnsupportedModelError, generate_all, make_hf_engine
 from pivot_hpc.models.hf_load import ModelBuildError, build_model
 from pivot_hpc.models.weights import TensorReader
-from pivot_hpc.recipes.tiny_arch_dirs import build_arch_dir, create_arch_model
+from pivot_hpc.recipes.tiny_arch_dirs import BASE, QWEN35_TEXT, build_arch_dir, create_arch_model
 
 RUNS = (
     "qwen2",
@@ -116,22 +116,8 @@ def test_a_linear_attention_it_does_not_know_is_refused_in_one_line(tmp_path):
     from pivot_hpc.models.tokenizer import build_tokenizer
 
     config = tf.Qwen3NextConfig(
-        vocab_size=128,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-        intermediate_size=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        linear_num_key_heads=4,
-        linear_key_head_dim=16,
-        linear_num_value_heads=4,
-        linear_value_head_dim=16,
-        layer_types=["linear_attention", "full_attention"],
+        **BASE,
+        **QWEN35_TEXT,  # Qwen3.5's linear-attention sizes; Qwen3-Next fuses its projections
     )
     tf.Qwen3NextForCausalLM(config).save_pretrained(tmp_path)  # in_proj_qkvz: fused
     build_tokenizer().save_pretrained(tmp_path)

@@ -21,20 +21,9 @@ from pivot_hpc.errors import ConfigError
 from pivot_hpc.job.config import load_config
 from pivot_hpc.models.role_check import check_dir
 from pivot_hpc.models.tokenizer import build_tokenizer
+from pivot_hpc.recipes.tiny_arch_dirs import BASE
 
-B: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=128,
-    max_position_embeddings=512,
-    initializer_range=0.3,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+B: dict[str, Any] = BASE  # the tiny stand-ins' sizes (head_dim 16 = hidden / heads)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 RUNS: dict[str, Callable[[], tuple[Any, Any]]] = {
@@ -43,7 +32,7 @@ RUNS: dict[str, Callable[[], tuple[Any, Any]]] = {
         tf.Qwen2MoeForCausalLM,
         tf.Qwen2MoeConfig(**B, **MOE, num_experts=4, shared_expert_intermediate_size=32),
     ),
-    "gemma": lambda: (tf.GemmaForCausalLM, tf.GemmaConfig(**B, head_dim=16)),
+    "gemma": lambda: (tf.GemmaForCausalLM, tf.GemmaConfig(**B)),
     "starcoder2": lambda: (tf.Starcoder2ForCausalLM, tf.Starcoder2Config(**B, sliding_window=None)),
     # MLP biases (InternLM-style Llama): the fused MLP would drop them
     "llama-mlp-bias": lambda: (
@@ -83,7 +72,7 @@ REFUSED: dict[str, tuple[Callable[[], tuple[Any, Any]], str]] = {
         "scales its embeddings, residuals or logits",
     ),
     "gemma2": (
-        lambda: (tf.Gemma2ForCausalLM, tf.Gemma2Config(**B, head_dim=16)),
+        lambda: (tf.Gemma2ForCausalLM, tf.Gemma2Config(**B)),
         "sliding_attention",
     ),
     "deepseek-v3": (
