@@ -102,15 +102,13 @@ def unsupported(model, max_len: int | None = None) -> str | None:
         others = sorted(kinds - {"full_attention", "linear_attention"})
         return f"its layers include {others} (only full and Gated DeltaNet linear attention)"
     for layer in inner.layers:
+        why = _block_problem(layer)
+        if why is not None:
+            return why
         if getattr(layer, "linear_attn", None) is not None:  # Qwen3.5's Gated DeltaNet
             why = linear_attention.problem(layer.linear_attn)
             if why is not None:
                 return why
-            if _norms(layer) - LAYER_NORMS or not {
-                "input_layernorm",
-                "post_attention_layernorm",
-            } <= _norms(layer):
-                return "its linear-attention layers are not pre-norm blocks"
             continue
         a = getattr(layer, "self_attn", None)
         if a is None or not hasattr(a, "o_proj"):
@@ -121,7 +119,7 @@ def unsupported(model, max_len: int | None = None) -> str | None:
             return "its attention has neither q/k/v_proj nor a fused qkv_proj"
         if not hasattr(sys.modules[type(a).__module__], "apply_rotary_pos_emb"):
             return "its attention module defines no apply_rotary_pos_emb"
-        why = _norms_problem(c, layer, a)
+        why = _attention_norms_problem(c, a)
         if why is not None:
             return why
     scaled = {k: getattr(c, k) for k in SCALE_KEYS if getattr(c, k, None) not in (None, 1, 1.0)}
@@ -139,8 +137,8 @@ def _norms(module) -> set[str]:
     return {n for n, m in module.named_children() if "norm" in type(m).__name__.lower()}
 
 
-def _norms_problem(c, layer, attn) -> str | None:
-    """A layer's norms are ones the engine's loop applies, where it applies them."""
+def _block_problem(layer) -> str | None:
+    """A decoder layer is a pre-norm block whose norms the engine's loop applies."""
     norms = _norms(layer)
     if not {"input_layernorm", "post_attention_layernorm"} <= norms:
         return (
@@ -149,6 +147,11 @@ def _norms_problem(c, layer, attn) -> str | None:
         )
     if norms - LAYER_NORMS:
         return f"its decoder layers have norms the engine does not apply: {sorted(norms - LAYER_NORMS)}"
+    return None
+
+
+def _attention_norms_problem(c, attn) -> str | None:
+    """An attention's only norms are per-head q/k norms (Qwen3's), applied before rotary."""
     extra = _norms(attn) - {"q_norm", "k_norm"}
     if extra:
         return f"its attention has norms the engine does not apply: {sorted(extra)}"
