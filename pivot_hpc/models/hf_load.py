@@ -91,14 +91,16 @@ class WeightMap:
         self.model = model
         converters = _converters(model.config.model_type)
         names = set(checkpoint_names) if checkpoint_names is not None else None
+        prefix = text_prefix(sorted(names)) if names else None
         # the decoder's own names in the model's namespace ("model.…"): a multimodal
         # checkpoint keeps it under "model.language_model." (Qwen3.5-122B-A10B as shipped)
-        local = _local_names(names) if names is not None else None
+        local = _local_names(names, prefix) if names is not None else None
+        local_names = None if local is None else set(local)
         self.sources: dict[str, _Source] = {}
-        for pname in _filled(model, None if local is None else set(local)):
-            src = _source_of(pname, converters, None if local is None else set(local))
+        for pname in _filled(model, local_names):
+            src = _source_of(pname, converters, local_names)
             if local is not None:
-                src = _Source(tuple(tuple(local.get(n, n) for n in g) for g in src.names), src.ops)
+                src = _Source(tuple(tuple(local[n] for n in g) for g in src.names), src.ops)
             self.sources[pname] = src
         self.expected = frozenset(n for s in self.sources.values() for g in s.names for n in g)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -106,7 +108,6 @@ class WeightMap:
         ignored = {"lm_head.weight"} - self.expected if tied else set()
         # tensors outside the text decoder (a vision tower, multi-token-prediction layers)
         # are the checkpoint's, not this model's: left alone, not refused
-        prefix = text_prefix(sorted(names)) if names else None
         if prefix is not None:
             ignored |= {n for n in names if not n.startswith((prefix, "lm_head."))}
         self.ignored = frozenset(ignored)
@@ -143,9 +144,8 @@ class WeightMap:
             p.copy_(t.to(p.dtype))
 
 
-def _local_names(names: set[str]) -> dict[str, str]:
-    """Model-namespace name -> checkpoint name, the text decoder's prefix made "model."."""
-    prefix = text_prefix(sorted(names))
+def _local_names(names: set[str], prefix: str | None) -> dict[str, str]:
+    """Model-namespace name -> checkpoint name, the text decoder's `prefix` made "model."."""
     if prefix is None or prefix == "model.":
         return {n: n for n in names}
     return {("model." + n[len(prefix) :] if n.startswith(prefix) else n): n for n in names}

@@ -584,15 +584,11 @@ class HFEngine(InRank):
             q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        rot = cos.shape[-1]
-        if not getattr(a, "use_rope", True):  # SmolLM3's NoPE layers: no rotation at all
-            pass
-        elif rot < self.head_dim:  # partial rotary (StableLM): the first `rot` dims turn
+        if getattr(a, "use_rope", True):  # (SmolLM3's NoPE layers do not rotate at all)
+            rot = cos.shape[-1]  # partial rotary (StableLM): the first `rot` dims turn
             qr, kr = self._rope[li](q[..., :rot], k[..., :rot], cos, sin)
-            q = torch.cat([qr, q[..., rot:]], dim=-1)
-            k = torch.cat([kr, k[..., rot:]], dim=-1)
-        else:
-            q, k = self._rope[li](q, k, cos, sin)
+            q = torch.cat([qr, q[..., rot:]], dim=-1) if rot < self.head_dim else qr
+            k = torch.cat([kr, k[..., rot:]], dim=-1) if rot < self.head_dim else kr
         return q, k, v
 
     def _attn_out(self, li: int, layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
